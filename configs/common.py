@@ -1,0 +1,74 @@
+"""Defaults shared by every model config (configs are code: see configs/moc.py).
+
+Field names are ours; `moc_jax/convert/mocpt.py` maps MoC-PT's YAML names onto them.
+Arguments are big_vision style: `name[,modifier...]`, e.g. `262k,runlocal`.
+"""
+from ml_collections import config_dict
+
+
+def parse_arg(arg, known_names):
+  """Splits `name,mod1,mod2` into (name, set(mods)); names the fix on a typo."""
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  if not parts or parts[0] not in known_names:
+    raise ValueError(
+        f"config arg {arg!r}: the first item must be one of {sorted(known_names)}"
+        " (e.g. `configs/moc.py:tiny` or `configs/moc.py:262k,runlocal`)")
+  return parts[0], set(parts[1:])
+
+
+def base_config():
+  """Every field, with MoC-PT's paper-run values where they have one."""
+  c = config_dict.ConfigDict()
+  c.name = "moc"
+  c.seed = 0
+
+  m = c.model = config_dict.ConfigDict()
+  m.vocab_size = 49_152
+  m.d_model = 768
+  m.num_layers = 16
+  m.num_heads = 12
+  m.num_kv_heads = 4
+  m.mlp_dim = 2304
+  m.max_seq_len = 1024
+  m.rope_theta = 100_000.0
+  m.norm_eps = 1e-5
+  m.init_std = 0.02              # every Linear, the embedding, the router
+  m.attn_out_init_std = 0.00378  # self-attention W_o (paper run value)
+  m.mlp_out_init_std = 0.00378   # SwiGLU W_down (paper run value)
+  m.compute_dtype = "bfloat16"   # matmul inputs; params, residual, norms, softmax and loss stay float32
+  m.param_dtype = "float32"
+  m.remat = "full"               # none | full | dots : per-block activation checkpointing
+  m.scan_layers = True           # scan the repeating group of layers when the placement is periodic
+
+  mem = c.memory = config_dict.ConfigDict()
+  mem.enabled = True             # False = vanilla backbone (no bank, no router)
+  mem.num_tokens = 262_208
+  mem.num_chapters = 4097
+  mem.num_shared = 1             # chapters [0, num_shared) are always read
+  mem.top_k = 64                 # routed chapters per sequence
+  mem.routed_scaling_factor = 2.5
+  mem.dim = config_dict.placeholder(int)  # None -> d_model
+  mem.num_heads = 12
+  mem.num_kv_heads = 12
+  mem.placement = "custom"       # all | first_k | last_k | every_n | custom | none
+  mem.placement_k = 5            # first_k / last_k
+  mem.placement_n = 3            # every_n: layers 0, n, 2n, ...
+  mem.layer_indices = (2, 6, 10, 14)  # custom
+  mem.sharing = "shared"         # shared | per_layer | every_k_layers
+  mem.sharing_k = 2
+  mem.block_variant = "A"        # A: SA -> mem -> MLP ; B: SA -> MLP -> mem -> MLP
+  mem.token_norm = "rms"         # rms | layernorm | none : parameter-free norm of selected memory tokens
+  mem.token_norm_eps = 1e-5
+  mem.routing = "sequence"       # sequence (MoC-PT's paper mode; not causal)
+  mem.init_std = 0.02
+  mem.wo_init_zero = True
+  mem.load_balance_coef = 0.01   # 0 disables the term
+  mem.z_loss_coef = 0.001
+  mem.mse_aux_coef = 0.0
+  return c
+
+
+def runlocal(c):
+  """Same architecture, CPU-sized run (a smoke test of the full model)."""
+  c.model.max_seq_len = 64
+  return c

@@ -1,0 +1,185 @@
+"""Config loading, validation and the facts derived from a config (memory layers, banks, scan plan).
+
+`validate()` is the single gate: every inconsistent field is rejected here, with one message naming
+the field and the fix, before any array is allocated. Model code reads fields, never re-checks them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from ml_collections import config_dict
+
+PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
+SHARINGS = ("shared", "per_layer", "every_k_layers")
+VARIANTS = ("A", "B")
+TOKEN_NORMS = ("rms", "layernorm", "none")
+ROUTINGS = ("sequence",)
+DTYPES = ("float32", "bfloat16", "float16")
+REMATS = ("none", "full", "dots")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class ConfigError(ValueError):
+  """A config field is inconsistent; the message names the field and the fix."""
+
+
+def load_config(spec: str, overrides: dict | None = None) -> config_dict.ConfigDict:
+  """Loads `path.py[:arg]`, applies dotted `overrides`, validates, and returns a locked config."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isabs(path) and not os.path.exists(path):
+    path = os.path.join(REPO_ROOT, path)
+  if not os.path.exists(path):
+    raise ConfigError(f"config file {spec!r} not found; pass e.g. 'configs/moc.py:tiny'")
+  module_spec = importlib.util.spec_from_file_location(f"_moc_cfg_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(arg) if arg else module.get_config()
+  for key, value in (overrides or {}).items():
+    _set_dotted(config, key, value)
+  validate(config)
+  config.lock()
+  return config
+
+
+def _set_dotted(config, key, value):
+  parent = config
+  parts = key.split(".")
+  for part in parts[:-1]:
+    if part not in parent:
+      raise ConfigError(f"override {key!r}: no field {part!r} in the config")
+    parent = parent[part]
+  if parts[-1] not in parent:
+    raise ConfigError(f"override {key!r}: no field {parts[-1]!r}; known: {sorted(parent.keys())}")
+  parent[parts[-1]] = tuple(value) if isinstance(value, list) else value
+
+
+def _fail(field, problem, fix):
+  raise ConfigError(f"config.{field}: {problem} — {fix}")
+
+
+def _enum(c, field, allowed):
+  node, name = field.split(".")
+  value = c[node][name]
+  if value not in allowed:
+    _fail(field, f"unknown value {value!r}", f"use one of {list(allowed)}")
+
+
+def _positive(c, field, allow_zero=False):
+  node, name = field.split(".")
+  value = c[node][name]
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+    _fail(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}", "set a valid value")
+
+
+def validate(c) -> None:
+  """Rejects an inconsistent config with one ConfigError naming the field and the fix."""
+  m, mem = c.model, c.memory
+  for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+            "max_seq_len", "rope_theta", "norm_eps", "init_std", "attn_out_init_std", "mlp_out_init_std"):
+    _positive(c, f"model.{f}")
+  for f in ("compute_dtype", "param_dtype"):
+    _enum(c, f"model.{f}", DTYPES)
+  _enum(c, "model.remat", REMATS)
+  if m.d_model % m.num_heads:
+    _fail("model.num_heads", f"{m.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
+  if m.num_heads % m.num_kv_heads:
+    _fail("model.num_kv_heads", f"{m.num_kv_heads} does not divide num_heads {m.num_heads}",
+          "pick a divisor of num_heads (GQA groups)")
+  if (m.d_model // m.num_heads) % 2:
+    _fail("model.num_heads", f"head_dim {m.d_model // m.num_heads} is odd", "RoPE needs an even head_dim")
+  if not mem.enabled:
+    return
+  _enum(c, "memory.placement", PLACEMENTS)
+  _enum(c, "memory.sharing", SHARINGS)
+  _enum(c, "memory.block_variant", VARIANTS)
+  _enum(c, "memory.token_norm", TOKEN_NORMS)
+  _enum(c, "memory.routing", ROUTINGS)
+  for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
+            "placement_k", "placement_n", "sharing_k", "token_norm_eps"):
+    _positive(c, f"memory.{f}")
+  for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef"):
+    _positive(c, f"memory.{f}", allow_zero=True)
+  if mem.dim is not None and mem.dim <= 0:
+    _fail("memory.dim", f"must be > 0 or None, got {mem.dim}", "leave it None to use d_model")
+  if mem.num_tokens % mem.num_chapters:
+    _fail("memory.num_tokens", f"{mem.num_tokens} is not divisible by num_chapters {mem.num_chapters}",
+          f"use a multiple of num_chapters, e.g. {mem.num_chapters * max(1, mem.num_tokens // mem.num_chapters)}")
+  if mem.num_shared >= mem.num_chapters:
+    _fail("memory.num_shared", f"{mem.num_shared} leaves no routable chapter of {mem.num_chapters}",
+          "use fewer shared chapters than num_chapters")
+  if mem.top_k > mem.num_chapters - mem.num_shared:
+    _fail("memory.top_k", f"{mem.top_k} > routable chapters {mem.num_chapters - mem.num_shared}",
+          "lower top_k or add chapters")
+  if m.d_model % mem.num_heads:
+    _fail("memory.num_heads", f"{mem.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
+  if mem.num_heads % mem.num_kv_heads:
+    _fail("memory.num_kv_heads", f"{mem.num_kv_heads} does not divide memory.num_heads {mem.num_heads}",
+          "pick a divisor of memory.num_heads")
+  if mem.placement == "custom":
+    bad = [i for i in mem.layer_indices if not 0 <= i < m.num_layers]
+    if bad or len(set(mem.layer_indices)) != len(mem.layer_indices):
+      _fail("memory.layer_indices", f"{tuple(mem.layer_indices)} has out-of-range or repeated layers {bad}",
+            f"use distinct indices in [0, {m.num_layers})")
+  if mem.placement in ("first_k", "last_k") and mem.placement_k > m.num_layers:
+    _fail("memory.placement_k", f"{mem.placement_k} > num_layers {m.num_layers}", "use at most num_layers")
+  if not memory_layers(c):
+    _fail("memory.placement", f"{mem.placement!r} places no memory layer",
+          "set memory.enabled=False for a vanilla model, or place at least one memory layer")
+
+
+def memory_layers(c) -> tuple[int, ...]:
+  """Sorted indices of the layers that read memory (MoC-PT's placement rules)."""
+  m, mem = c.model, c.memory
+  L = m.num_layers
+  if not mem.enabled or mem.placement == "none":
+    return ()
+  return tuple({
+      "all": lambda: range(L),
+      "first_k": lambda: range(min(mem.placement_k, L)),
+      "last_k": lambda: range(max(L - mem.placement_k, 0), L),
+      "every_n": lambda: range(0, L, mem.placement_n),
+      "custom": lambda: sorted(i for i in mem.layer_indices if 0 <= i < L),
+  }[mem.placement]())
+
+
+def bank_ids(c) -> tuple[int, ...]:
+  """Bank index read by each memory layer, in memory-layer order."""
+  n = len(memory_layers(c))
+  return tuple({"shared": lambda i: 0, "per_layer": lambda i: i,
+                "every_k_layers": lambda i: i // c.memory.sharing_k}[c.memory.sharing](i) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How the layer stack is built: `num_groups` copies of a `period`-layer group.
+
+  scanned: groups are stacked and run under `lax.scan` (placement periodic, banks scannable);
+  otherwise one group holds every layer, unrolled.
+  """
+  period: int
+  num_groups: int
+  memory_offsets: tuple[int, ...]  # positions inside a group that read memory
+  scanned: bool
+
+
+def layer_plan(c) -> LayerPlan:
+  L = c.model.num_layers
+  mem_layers = memory_layers(c)
+  unrolled = LayerPlan(L, 1, mem_layers, False)
+  if not c.model.scan_layers:
+    return unrolled
+  if c.memory.enabled and c.memory.sharing == "every_k_layers" and c.memory.sharing_k > 1:
+    return unrolled
+  for period in range(1, L + 1):
+    if L % period:
+      continue
+    offsets = tuple(i for i in mem_layers if i < period)
+    expected = {o + g * period for g in range(L // period) for o in offsets}
+    if expected == set(mem_layers) and len(offsets) <= 1:
+      if L // period == 1:
+        return unrolled
+      return LayerPlan(period, L // period, offsets, True)
+  return unrolled

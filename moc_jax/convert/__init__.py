@@ -1,0 +1,1 @@
+"""Importers from other codebases' checkpoints and configs."""

@@ -1,0 +1,123 @@
+"""Backbone building blocks: RMSNorm, RoPE, attention core, GQA self-attention, SwiGLU, tied embedding.
+
+Numerics policy (as MoC-PT trains under bf16 autocast): parameters and the residual stream are float32;
+matmul inputs are cast to `compute_dtype`; norms, softmax and the loss run in float32.
+Model code names logical axes only; the mesh mapping lives in the config's rules table.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform (not NaN) softmax
+
+
+def param_init(std: float, *names: str):
+  """Normal(0, std) initialiser carrying logical axis names (sharding applied at the jit boundary)."""
+  init = nnx.initializers.zeros_init() if std == 0 else nnx.initializers.normal(std)
+  return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def dense(din, dout, std, names, cfg_dtype, rngs, bias=False):
+  """Bias-free (unless asked) Linear: float32 kernel [in, out], matmul in the compute dtype."""
+  return nnx.Linear(din, dout, use_bias=bias, dtype=cfg_dtype, param_dtype=jnp.float32,
+                    kernel_init=param_init(std, *names),
+                    bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[-1:],
+                                                    eager_sharding=False),
+                    rngs=rngs)
+
+
+def rms_normalize(x, eps):
+  """x / sqrt(mean(x^2) + eps) in float32: the one RMS routine (learnable gain applied by callers)."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",), eager_sharding=False)
+
+  def __call__(self, x):
+    return rms_normalize(x, self.eps) * self.scale[...]
+
+
+def rope(x, positions, theta):
+  """Rotate-half (NeoX/Llama) RoPE on [B, L, H, D]; cos/sin cast to x's dtype as MoC-PT does."""
+  d = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, D/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def attention(q, k, v, mask=None):
+  """Softmax attention with GQA: q [B,Lq,H,D], k/v [B,Lk,Hkv,D], mask broadcastable to [B,1,Lq,Lk].
+
+  Query head h reads kv head h // (H/Hkv) (MoC-PT's repeat_interleave grouping). Scores and softmax
+  are float32; the value product runs in v's dtype.
+  """
+  b, lq, h, d = q.shape
+  hkv = k.shape[2]
+  q = q.reshape(b, lq, hkv, h // hkv, d)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+  if mask is not None:
+    scores = jnp.where(mask[:, :, None], scores, NEG_INF)  # mask [B,1,Lq,Lk] -> [B,1,1,Lq,Lk]
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, lq, h * d)
+
+
+class SelfAttention(nnx.Module):
+  """Causal GQA self-attention with RoPE; bias-free projections."""
+
+  def __init__(self, cfg, rngs):
+    m = cfg.model
+    self.num_heads, self.num_kv_heads = m.num_heads, m.num_kv_heads
+    self.head_dim = m.d_model // m.num_heads
+    self.theta = m.rope_theta
+    kv = self.num_kv_heads * self.head_dim
+    dt = jnp.dtype(m.compute_dtype)
+    self.q = dense(m.d_model, m.d_model, m.init_std, ("embed", "heads"), dt, rngs)
+    self.k = dense(m.d_model, kv, m.init_std, ("embed", "kv"), dt, rngs)
+    self.v = dense(m.d_model, kv, m.init_std, ("embed", "kv"), dt, rngs)
+    self.o = dense(m.d_model, m.d_model, m.attn_out_init_std, ("heads", "embed"), dt, rngs)
+
+  def __call__(self, x, positions, mask):
+    b, l, _ = x.shape
+    q = self.q(x).reshape(b, l, self.num_heads, self.head_dim)
+    k = self.k(x).reshape(b, l, self.num_kv_heads, self.head_dim)
+    v = self.v(x).reshape(b, l, self.num_kv_heads, self.head_dim)
+    q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+    return self.o(attention(q, k, v, mask).astype(x.dtype))
+
+
+class SwiGLU(nnx.Module):
+  def __init__(self, cfg, rngs):
+    m = cfg.model
+    dt = jnp.dtype(m.compute_dtype)
+    self.gate = dense(m.d_model, m.mlp_dim, m.init_std, ("embed", "mlp"), dt, rngs)
+    self.up = dense(m.d_model, m.mlp_dim, m.init_std, ("embed", "mlp"), dt, rngs)
+    self.down = dense(m.mlp_dim, m.d_model, m.mlp_out_init_std, ("mlp", "embed"), dt, rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Embed(nnx.Module):
+  """Token embedding tied to the LM head: lookup stays float32, the head matmul runs in compute dtype."""
+
+  def __init__(self, cfg, rngs):
+    m = cfg.model
+    self.dtype = jnp.dtype(m.compute_dtype)
+    self.embedding = nnx.Param(param_init(m.init_std, "vocab", "embed")(rngs.params(), (m.vocab_size, m.d_model)))
+
+  def __call__(self, ids):
+    return jnp.take(self.embedding[...], ids, axis=0)
+
+  def attend(self, h):
+    return jnp.einsum("bld,vd->blv", h.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                      preferred_element_type=jnp.float32)

@@ -1,0 +1,142 @@
+"""The decoder: embedding -> blocks (variant A/B, memory where placed) -> final norm -> tied head.
+
+Where the memory placement is periodic (the paper: every 4th layer from 2) the layers are built as
+`num_groups` stacked copies of one `period`-layer group and run under `lax.scan`, so compile time
+stays flat with depth; otherwise one group holds all layers, unrolled. Vanilla models are the same
+code with no memory layer.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moc_jax.config import bank_ids, layer_plan, memory_layers
+from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
+from moc_jax.model.memory import ChapterBank, MemoryLayer
+
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class Block(nnx.Module):
+  """One decoder layer. Variant A: SA -> memory -> MLP; variant B: SA -> MLP -> memory -> MLP."""
+
+  def __init__(self, cfg, has_memory, rngs):
+    d, eps = cfg.model.d_model, cfg.model.norm_eps
+    self.variant = cfg.memory.block_variant if has_memory else "A"
+    self.attn_norm, self.attn = RMSNorm(d, eps), SelfAttention(cfg, rngs)
+    self.mlp_norm, self.mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
+    self.memory = MemoryLayer(cfg, rngs) if has_memory else None
+    if self.variant == "B":
+      self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
+
+  def __call__(self, h, positions, mask, bank):
+    route_input = h  # routing reads the layer input, before any norm (MoC-PT)
+    h = h + self.attn(self.attn_norm(h), positions, mask)
+    stats = None
+    if self.variant == "B":
+      h = h + self.mlp(self.mlp_norm(h))
+    if self.memory is not None:
+      out, stats = self.memory(h, route_input, bank)
+      h = h + out
+    if self.variant == "B":
+      h = h + self.post_memory_mlp(self.post_memory_norm(h))
+    else:
+      h = h + self.mlp(self.mlp_norm(h))
+    return h, stats
+
+
+class Group(nnx.Module):
+  """`period` consecutive blocks; `bank_of` gives the bank read by each memory block (static)."""
+
+  def __init__(self, cfg, period, memory_offsets, rngs):
+    self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
+    self.remat = cfg.model.remat
+
+  def __call__(self, h, positions, mask, banks, bank_of):
+    stats, mem_i = [], 0
+    for block in self.blocks:
+      bank = None
+      if block.memory is not None:
+        bank, mem_i = banks[bank_of[mem_i]], mem_i + 1
+      h, s = self._run(block, h, positions, mask, bank)
+      if s is not None:
+        stats.append(s)
+    return h, stats
+
+  def _run(self, block, h, positions, mask, bank):
+    if self.remat == "none":
+      return block(h, positions, mask, bank)
+    fn = nnx.remat(lambda blk, *a: blk(*a), policy=_REMAT_POLICIES[self.remat])
+    return fn(block, h, positions, mask, bank)
+
+
+def _stack(stats_list):
+  return {k: jnp.stack([s[k] for s in stats_list]) for k in stats_list[0]}
+
+
+class Transformer(nnx.Module):
+  """`model(input_ids, attention_mask=None, *, train=False) -> (logits [B,L,V] f32, aux)`.
+
+  aux: `router_loss` (mean over memory layers of the weighted router losses; the training loss adds
+  it, evaluation does not) and per-memory-layer `load_balance`, `z_loss`, `mse_aux`, `entropy`
+  [n_mem], `chapters` / `weights` [n_mem, B, shared+top_k].
+  """
+
+  def __init__(self, cfg, rngs):
+    self.cfg = cfg
+    self.plan = layer_plan(cfg)
+    self.bank_ids = bank_ids(cfg)
+    self.embed = Embed(cfg, rngs)
+    self.bank = ChapterBank(cfg, max(self.bank_ids) + 1, rngs) if memory_layers(cfg) else None
+    p = self.plan
+    if p.scanned:
+      @nnx.split_rngs(splits=p.num_groups)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def make(r):
+        return Group(cfg, p.period, p.memory_offsets, r)
+      self.layers = make(rngs)
+    else:
+      self.layers = Group(cfg, p.period, p.memory_offsets, rngs)
+    self.final_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
+
+  def __call__(self, input_ids, attention_mask=None, *, train=False):
+    del train  # sequence routing and dropout-free blocks behave the same; the loss decides on aux
+    b, l = input_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(l), (b, l))
+    mask = jnp.tril(jnp.ones((l, l), bool))[None, None]
+    if attention_mask is not None:
+      mask = mask & attention_mask.astype(bool)[:, None, None, :]
+    h = self.embed(input_ids)
+    banks = self.bank.memory[...] if self.bank is not None else None
+    if self.plan.scanned:
+      h, stats = self._scan(h, positions, mask, banks)
+    else:
+      h, stats = self.layers(h, positions, mask, banks, self.bank_ids)
+      stats = _stack(stats) if stats else None
+    logits = self.embed.attend(self.final_norm(h))
+    return logits, self._aux(stats)
+
+  def _scan(self, h, positions, mask, banks):
+    graphdef, state = nnx.split(self.layers)
+    per_group_bank = banks is not None and banks.shape[0] > 1  # per_layer sharing: bank g <-> group g
+
+    def body(h, xs):
+      group_state, bank = xs
+      group_banks = bank[None] if per_group_bank else banks
+      h, stats = nnx.merge(graphdef, group_state)(h, positions, mask, group_banks, (0,))
+      return h, (stats[0] if stats else None)
+
+    xs = (state, banks if per_group_bank else None)
+    h, stats = jax.lax.scan(body, h, xs)
+    return h, stats
+
+  def _aux(self, stats):
+    if stats is None:
+      return {"router_loss": jnp.zeros((), jnp.float32)}
+    mem = self.cfg.memory
+    per_layer = (mem.load_balance_coef * stats["load_balance"] + mem.z_loss_coef * stats["z_loss"]
+                 + mem.mse_aux_coef * stats["mse_aux"])
+    return {"router_loss": jnp.mean(per_layer), **stats}
