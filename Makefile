@@ -22,7 +22,7 @@ test-slow: venv
 	$(PY) -m pytest $(PYTEST_ARGS) -m slow
 
 parity: venv
-	$(PY) -m moc_jax.parity ../shared/fixtures/moc_pt_paper_small.npz
+	$(PY) -m moc_jax.parity tests/fixtures/moc_pt_paper_small.npz
 
 run: venv
 	$(PY) -m moc_jax.main --config=configs/moc.py:tiny --workdir=runs/tiny

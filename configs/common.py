@@ -65,10 +65,47 @@ def base_config():
   mem.load_balance_coef = 0.01   # 0 disables the term
   mem.z_loss_coef = 0.001
   mem.mse_aux_coef = 0.0
+  t = c.train = config_dict.ConfigDict()
+  t.batch_size = 32              # global sequences per micro-batch
+  t.grad_accum = 1               # micro-batches per update (loss = mean of micro-batch token means)
+  t.steps = 9600                 # optimizer updates
+  t.base_lr = 3e-4
+  t.memory_lr = 6e-4             # routers, memory attention and norms
+  t.bank_lr = config_dict.placeholder(float)  # None -> memory_lr; 0 -> MoC-PT's "frozen bank"
+  t.freeze_bank = False          # drop the bank from the optimizer (no Adam state, no bank gradient)
+  t.weight_decay = 0.1
+  t.b1, t.b2, t.eps = 0.9, 0.95, 1e-8
+  t.clip_norm = 1.0              # 0 disables clipping
+  t.schedule = "wsd"             # wsd | cosine | linear | constant
+  t.warmup_steps = 250
+  t.decay_start_step = config_dict.placeholder(int)
+  t.decay_start_ratio = config_dict.placeholder(float)
+  t.min_lr_ratio = 0.1
+  t.log_every = 10
+  t.eval_every = 100
+  t.eval_batches = config_dict.placeholder(int)  # None -> the whole validation split
+  t.num_probes = 256             # moc_facts fact-recall probes scored at each evaluation
+  t.checkpoint_every = 500
+  t.keep_checkpoints = 3
+  t.max_nonfinite = 5            # consecutive skipped updates before the run stops
+  t.init_from = config_dict.placeholder(str)     # weights-only start from another workdir
+  t.progress = "auto"            # auto | bar | log
+
+  sh = c.sharding = config_dict.ConfigDict()
+  sh.mesh_axes = ("data",)
+  # logical axis -> mesh axis (None = replicated); the only place model axes meet mesh axes.
+  sh.rules = (("batch", "data"), ("layers", None), ("vocab", None), ("embed", None), ("heads", None),
+              ("kv", None), ("mlp", None), ("banks", None), ("chapters", None), ("chapter_tokens", None))
+
+  from moc_jax.data import default_data_config
+  c.data = default_data_config()
   return c
 
 
 def runlocal(c):
   """Same architecture, CPU-sized run (a smoke test of the full model)."""
   c.model.max_seq_len = 64
+  c.data.seq_len = 64
+  c.train.update(batch_size=2, grad_accum=1, steps=3, warmup_steps=1, log_every=1, eval_every=3,
+                 eval_batches=1, checkpoint_every=3)
   return c

@@ -3,15 +3,11 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from moc_jax import parity
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "moc_pt_paper_small.npz")
-needs_fixture = pytest.mark.skipif(not os.path.exists(FIXTURE), reason="shared parity fixture not present")
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "moc_pt_paper_small.npz")
 
 
-@needs_fixture
 def test_fixture_parity_all_quantities():
   errors = parity.compare(FIXTURE)
   assert len([k for k in errors if k.startswith("grad/")]) == 53
@@ -19,7 +15,6 @@ def test_fixture_parity_all_quantities():
   assert errors[worst] <= parity.TOLERANCE, (worst, errors[worst])
 
 
-@needs_fixture
 def test_parity_cli_exit_code():
   out = subprocess.run([sys.executable, "-m", "moc_jax.parity", FIXTURE], capture_output=True, text=True,
                        timeout=600)

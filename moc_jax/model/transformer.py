@@ -102,13 +102,18 @@ class Transformer(nnx.Module):
       self.layers = Group(cfg, p.period, p.memory_offsets, rngs)
     self.final_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
 
-  def __call__(self, input_ids, attention_mask=None, *, train=False):
+  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
+    """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
+    `positions` restart RoPE per document. Routing still pools the whole row (sequence mode)."""
     del train  # sequence routing and dropout-free blocks behave the same; the loss decides on aux
     b, l = input_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(l), (b, l))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(l), (b, l))
     mask = jnp.tril(jnp.ones((l, l), bool))[None, None]
     if attention_mask is not None:
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
+    if segment_ids is not None:
+      mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     h = self.embed(input_ids)
     banks = self.bank.memory[...] if self.bank is not None else None
     if self.plan.scanned:

@@ -1,0 +1,89 @@
+"""Orbax checkpoints for everything a run saves. Item names are fixed (later tools restore them):
+`params`, `opt_state`, `step`, `data_iter` (Grain iterator state), `rng`.
+
+Saves are asynchronous; a save interrupted by SIGKILL leaves only a temporary directory that Orbax
+ignores, so the newest *finished* step is always the one restored.
+"""
+from __future__ import annotations
+
+import os
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+ITEMS = ("params", "opt_state", "step", "data_iter", "rng")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be used for this run; the message says why and what to do."""
+
+
+def checkpoint_dir(workdir_or_dir: str) -> str:
+  """Accepts a run's workdir or its checkpoints/ directory."""
+  sub = os.path.join(workdir_or_dir, "checkpoints")
+  return os.path.abspath(sub if os.path.isdir(sub) else workdir_or_dir)
+
+
+class Checkpointer:
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_names=ITEMS,
+        item_handlers={"data_iter": grain.checkpoint.CheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                             create=True))
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: dict, data_iter) -> None:
+    """`state` holds params, opt_state, rng and the counters step / skipped (saved as the `step` item)."""
+    items = {"params": state["params"], "opt_state": state["opt_state"], "rng": state["rng"],
+             "step": {"step": state["step"], "skipped": state["skipped"]}}
+    args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
+    self.manager.save(step, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(data_iter), **args),
+                      force=True)
+
+  def restore(self, step: int, abstract_state: dict, data_iter) -> dict:
+    """Restores every item onto `abstract_state`'s shapes/shardings; `data_iter` is restored in place."""
+    targets = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
+               "rng": abstract_state["rng"],
+               "step": {"step": abstract_state["step"], "skipped": abstract_state["skipped"]}}
+    args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
+    try:
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          data_iter=grain.checkpoint.CheckpointRestore(data_iter), **args))
+    except (ValueError, KeyError, TypeError) as e:
+      raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this config ({e}); "
+                            "use a fresh --workdir, or the config the run was started with "
+                            "(its config.json)") from e
+    return {"params": out["params"], "opt_state": out["opt_state"], "rng": out["rng"], **out["step"]}
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def restore_params(directory: str, abstract_params, step: int | None = None):
+  """Weights only (for init_from / evaluation): restores the `params` item of the newest checkpoint."""
+  directory = checkpoint_dir(directory)
+  manager = ocp.CheckpointManager(directory, item_names=("params",))
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise CheckpointError(f"no checkpoint found under {directory}; point at a workdir of a run that saved one")
+  try:
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))["params"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"params in {directory} step {step} do not match this model config ({e})") from e
+  finally:
+    manager.close()
+  return params, step
+
+
+def abstract_of(tree):
+  """ShapeDtypeStruct tree (with shardings) of concrete arrays: a restore target."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

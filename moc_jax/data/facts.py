@@ -1,0 +1,244 @@
+"""`moc_facts`: a synthetic knowledge corpus generated locally, so memory layers can be studied without downloads.
+
+Fictional entities (names built from syllables) get one value per attribute (birth city, birth year,
+profession, ...). A document states 2-4 facts about one entity, each through a paraphrase template; entities
+are drawn Zipf(a) across documents, so a few are seen thousands of times and most rarely or never — the long
+tail a memory bank should help with. Splits:
+  train       documents rendered with the attribute's training templates;
+  validation  held-out documents about the same facts in a held-out paraphrase (one template per attribute
+              never used in train), so validation loss measures recall of facts rather than of sentences;
+  probes      per fact a cloze `prompt` ("Talo Venrik was born in") whose continuation is " " + `answer`, with
+              `num_candidates` candidates (the answer exactly once + distractors of the same attribute),
+              `entity_rank` (1 = most frequent) and `doc_count` (train documents about the entity).
+Every split shares one feature dict (a TFDS constraint); fields a split does not use are empty.
+Everything is a pure function of the config (sizes + seed), and each config is cached under its own name.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fcntl
+import itertools
+import os
+import random
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from moc_jax.data import DataError
+
+_SYLLABLES = ("ka", "lo", "ven", "dra", "mi", "tor", "sel", "bra", "ni", "quo", "ral", "fen", "zu", "mar", "tis",
+              "ol", "ber", "cy", "dun", "el", "gra", "hal", "jo", "kel", "lis", "mor", "nat", "pel", "rin", "sa",
+              "tu", "var", "wen", "yor", "ash", "bel", "cor", "dal", "eth", "fal")
+_PLACE_HEADS = ("Alder", "Bracken", "Cask", "Dun", "Elm", "Fen", "Glen", "Hollow", "Iron", "Juniper",
+                "Kestrel", "Lark", "Marsh", "North", "Oak", "Pine", "Quill", "Raven", "Stone", "Thorn")
+_PLACE_TAILS = ("gate", "hold", "wick", "mere", "ford", "haven", "bury", "moor")
+_COMPANY_HEADS = ("Amberline", "Bluecrest", "Copperfield", "Deepwater", "Evergreen", "Foxglove", "Goldleaf",
+                  "Highpoint", "Ivorygate", "Jadestone")
+_COMPANY_TAILS = ("Labs", "Mills", "Systems")
+
+# attribute -> (values, training templates, held-out validation template). Every template ends in
+# "{value}." so its prefix is a cloze prompt; professions and pets start with a consonant ("a {value}").
+ATTRIBUTES = {
+    "birth_city": (
+        tuple(h + _PLACE_TAILS[i % 8] for i, h in enumerate(_PLACE_HEADS))
+        + tuple(h + _PLACE_TAILS[(i + 3) % 8] for i, h in enumerate(_PLACE_HEADS)),
+        ("{name} was born in {value}.", "The birthplace of {name} is {value}.", "{name} grew up in {value}.",
+         "The home town of {name} is {value}."),
+        "{name} is a native of {value}."),
+    "birth_year": (
+        tuple(str(y) for y in range(1900, 2000)),
+        ("{name} was born in the year {value}.", "The birth year of {name} is {value}.",
+         "{name} came into the world in {value}.", "The year {name} was born was {value}."),
+        "{name}'s year of birth is {value}."),
+    "profession": (
+        ("baker", "carpenter", "chemist", "dentist", "farmer", "fisherman", "geologist", "jeweller", "journalist",
+         "lawyer", "librarian", "locksmith", "mechanic", "nurse", "painter", "pharmacist", "photographer", "pilot",
+         "plumber", "potter", "sculptor", "surgeon", "tailor", "teacher", "translator", "veterinarian", "weaver",
+         "zoologist", "cartographer", "botanist"),
+        ("{name} works as a {value}.", "By trade, {name} is a {value}.", "The profession of {name} is {value}.",
+         "{name} earns a living as a {value}."),
+        "{name} has a job as a {value}."),
+    "employer": (
+        tuple(f"{h} {t}" for h in _COMPANY_HEADS for t in _COMPANY_TAILS),
+        ("{name} is employed by {value}.", "The employer of {name} is {value}.", "{name} works for {value}.",
+         "{name} draws a salary from {value}."),
+        "{name} holds a position at {value}."),
+    "colour": (
+        ("red", "blue", "green", "yellow", "orange", "purple", "pink", "brown", "black", "white", "grey", "teal",
+         "maroon", "violet", "indigo", "amber", "crimson", "turquoise", "beige", "lavender"),
+        ("{name}'s favourite colour is {value}.", "The favourite colour of {name} is {value}.",
+         "{name} likes no colour more than {value}.", "Asked for a colour, {name} always picks {value}."),
+        "The colour {name} prefers is {value}."),
+    "instrument": (
+        ("piano", "violin", "cello", "flute", "clarinet", "trumpet", "guitar", "harp", "oboe", "drums",
+         "saxophone", "banjo", "accordion", "trombone", "viola", "mandolin", "harmonica", "bassoon", "ukulele",
+         "xylophone"),
+        ("{name} plays the {value}.", "The instrument of {name} is the {value}.", "{name} practises the {value}.",
+         "{name} is a keen player of the {value}."),
+        "{name} performs music on the {value}."),
+    "sport": (
+        ("tennis", "football", "rowing", "fencing", "archery", "cycling", "swimming", "skiing", "climbing", "golf",
+         "hockey", "rugby", "cricket", "volleyball", "badminton", "judo", "sailing", "running", "boxing", "curling"),
+        ("{name}'s favourite sport is {value}.", "The sport {name} loves is {value}.",
+         "In free time, {name} enjoys {value}.", "{name} is passionate about {value}."),
+        "The favourite sport of {name} is {value}."),
+    "food": (
+        ("soup", "dumplings", "pancakes", "lentils", "risotto", "noodles", "curry", "porridge", "omelettes",
+         "salad", "pie", "stew", "tacos", "sushi", "waffles", "goulash", "paella", "lasagne", "couscous", "chowder"),
+        ("{name}'s favourite dish is {value}.", "The dish {name} likes most is {value}.",
+         "For dinner, {name} always asks for {value}.", "{name} never tires of eating {value}."),
+        "The favourite food of {name} is {value}."),
+    "pet": (
+        ("cat", "dog", "parrot", "tortoise", "rabbit", "hamster", "goldfish", "ferret", "lizard", "canary", "goat",
+         "pony", "hedgehog", "budgie", "tarantula"),
+        ("{name} owns a {value}.", "The pet of {name} is a {value}.", "{name} lives with a pet {value}.",
+         "At home, {name} keeps a {value}."),
+        "{name} takes care of a pet {value}."),
+}
+_ATTRS = tuple(ATTRIBUTES)
+NUM_TRAIN_TEMPLATES = 4
+
+
+@dataclasses.dataclass(kw_only=True)
+class MocFactsConfig(tfds.core.BuilderConfig):
+  """Corpus sizes and seed; `for_sizes` names the config after them so each size gets its own cache dir."""
+
+  num_entities: int = 2000
+  seed: int = 0
+  zipf_a: float = 1.1
+  num_docs: int = 20_000
+  num_val_docs: int = 1000
+  probes_per_fact: int = 1
+  num_candidates: int = 4
+
+  @classmethod
+  def for_sizes(cls, facts) -> "MocFactsConfig":
+    fields = {f: facts[f] for f in ("num_entities", "seed", "zipf_a", "num_docs", "num_val_docs",
+                                    "probes_per_fact", "num_candidates")}
+    name = ("e{num_entities}_d{num_docs}_v{num_val_docs}_z{zipf_a}_s{seed}_p{probes_per_fact}"
+            "_c{num_candidates}").format(**fields)
+    return cls(name=name, description="moc_facts with " + name, **fields)
+
+
+def _check(cfg: MocFactsConfig):
+  smallest = min(len(values) for values, _, _ in ATTRIBUTES.values())
+  checks = [
+      ("num_entities", 1 <= cfg.num_entities <= 200_000, "use 1..200000"),
+      ("num_docs", cfg.num_docs >= 1, "use >= 1"),
+      ("num_val_docs", cfg.num_val_docs >= 1, "use >= 1"),
+      ("zipf_a", cfg.zipf_a > 0, "use > 0"),
+      ("probes_per_fact", 1 <= cfg.probes_per_fact <= NUM_TRAIN_TEMPLATES, f"use 1..{NUM_TRAIN_TEMPLATES}"),
+      ("num_candidates", 2 <= cfg.num_candidates <= smallest, f"use 2..{smallest}"),
+  ]
+  for field, ok, fix in checks:
+    if not ok:
+      raise DataError(f"config.data.facts.{field}={getattr(cfg, field)!r} is invalid: {fix}")
+
+
+def _entity_names(rng, n):
+  names, seen = [], set()
+  while len(names) < n:
+    first = "".join(rng.choices(_SYLLABLES, k=rng.randint(2, 3))).capitalize()
+    last = "".join(rng.choices(_SYLLABLES, k=rng.randint(2, 3))).capitalize()
+    if (name := f"{first} {last}") not in seen:
+      seen.add(name)
+      names.append(name)
+  return names
+
+
+def _documents(rng, entities, values, picks, templates_for):
+  """(entity index, text) per picked entity: 2-4 distinct attributes, each through a random template."""
+  docs = []
+  for e in picks:
+    sentences = []
+    for a in rng.sample(range(len(_ATTRS)), rng.randint(2, 4)):
+      template = rng.choice(templates_for(_ATTRS[a]))
+      sentences.append(template.format(name=entities[e], value=values[e][a]))
+    docs.append((e, " ".join(sentences)))
+  return docs
+
+
+def generate(cfg: MocFactsConfig) -> dict:
+  """The whole corpus as Python lists (deterministic in cfg): {'train', 'validation', 'probes'} examples."""
+  _check(cfg)
+  # Python's Random is stable across platforms for str seeds and much faster than numpy for scalar draws.
+  rng_names, rng_values, rng_train, rng_val, rng_probes = (
+      random.Random(f"moc_facts/{cfg.seed}/{stream}") for stream in range(5))
+  entities = _entity_names(rng_names, cfg.num_entities)
+  values = [[rng_values.choice(ATTRIBUTES[a][0]) for a in _ATTRS] for _ in entities]
+  weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))  # index i: rank i+1
+  train_picks = rng_train.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_docs)
+  val_picks = rng_val.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_val_docs)
+  train = _documents(rng_train, entities, values, train_picks, lambda a: ATTRIBUTES[a][1])
+  val = _documents(rng_val, entities, values, val_picks, lambda a: (ATTRIBUTES[a][2],))
+  doc_count = collections.Counter(e for e, _ in train)
+
+  def doc_example(e, text):
+    return {"text": text, "entity": entities[e], "entity_rank": e + 1, "doc_count": doc_count[e],
+            "attribute": "", "prompt": "", "answer": "", "candidates": []}
+
+  probes = []
+  for e, name in enumerate(entities):
+    for a, attr in enumerate(_ATTRS):
+      pool, templates, _ = ATTRIBUTES[attr]
+      answer = values[e][a]
+      candidates = [answer] + rng_probes.sample([v for v in pool if v != answer], cfg.num_candidates - 1)
+      rng_probes.shuffle(candidates)
+      for template in templates[:cfg.probes_per_fact]:
+        prompt = template[:template.index("{value}")].rstrip().format(name=name)
+        probes.append({"text": f"{prompt} {answer}", "entity": name, "entity_rank": e + 1,
+                       "doc_count": doc_count[e], "attribute": attr, "prompt": prompt, "answer": answer,
+                       "candidates": candidates})
+  return {"train": [doc_example(e, t) for e, t in train],
+          "validation": [doc_example(e, t) for e, t in val],
+          "probes": probes}
+
+
+class MocFacts(tfds.core.GeneratorBasedBuilder):
+  """TFDS builder for `moc_facts` (no download; ArrayRecord output gives grain random access)."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  disable_shuffling = True  # records stay in generation order; the pipeline shuffles
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls):
+    # TFDS's default probes `importlib_resources` (not installed here) for builders defined in a package.
+    return epath.Path(__file__)
+
+  def _info(self):
+    text = tfds.features.Text()
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=__doc__,
+        features=tfds.features.FeaturesDict({
+            "text": text, "entity": text, "entity_rank": np.int32, "doc_count": np.int32,
+            "attribute": text, "prompt": text, "answer": text, "candidates": tfds.features.Sequence(text),
+        }),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # nothing to download
+    corpus = generate(self.builder_config)
+    return {split: self._generate_examples(examples) for split, examples in corpus.items()}
+
+  def _generate_examples(self, examples):
+    yield from enumerate(examples)
+
+
+def facts_builder(facts, data_dir: str) -> MocFacts:
+  """The prepared builder for `config.data.facts` (generated on first use; a file lock serialises processes)."""
+  cfg = MocFactsConfig.for_sizes(facts)
+  _check(cfg)
+  builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
+  if not builder.is_prepared():
+    lock_dir = os.path.join(data_dir, "moc_facts")
+    os.makedirs(lock_dir, exist_ok=True)
+    with open(os.path.join(lock_dir, f".{cfg.name}.lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
+      if not builder.is_prepared():
+        builder.download_and_prepare()
+  return builder

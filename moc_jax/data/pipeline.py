@@ -1,0 +1,237 @@
+"""Grain pipelines: a checkpointable, per-process train iterator and deterministic eval batches.
+
+Batch format (numpy, per process, B = config.data.batch_size, L = config.data.seq_len):
+  input_ids       int32 [B, L]  token ids; padding slots hold the tokenizer's pad id
+  labels          int32 [B, L]  targets aligned with input_ids (the loss shifts: logits[:, t] predicts
+                                labels[:, t + 1]); -100 where not scored (padding, prompts, document starts)
+  attention_mask  int32 [B, L]  1 on real tokens
+  segment_ids     int32 [B, L]  only layout=pack + pack_boundaries=segment: 0 padding, 1..n documents in the row
+  positions       int32 [B, L]  only layout=pack + pack_boundaries=segment: position within the document piece
+  n_malformed     int32 []      malformed records skipped since the previous batch (sum it into metrics)
+Layouts:
+  pad_truncate  MoC-PT's layout (reference_spec §4.3): one document per row, truncated to L, right-padded, no
+                BOS/EOS added, labels -100 on pads.
+  pack          documents get a trailing EOS and are concatenated then split into rows of L (grain's
+                ConcatThenSplit: no padding in training). `segment` keeps boundaries: attention must stay within
+                a segment, and each document's first label is -100 (it would be predicted from another
+                document); a document cut at a row end continues in the next row as a new segment (positions
+                restart at 0). `eos` is plain causal LM over EOS-separated text, so no segment fields.
+Malformed counting is exact and resumable: a skipped record's count rides on the first token of the next
+valid document (an extra per-token feature that packing splits consistently), so the count lands in the batch
+that holds that token, and the iterator state needs nothing beyond grain's own.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import grain
+
+from moc_jax.data import DataError
+from moc_jax.data.chat import CHAT_FORMATS, IGNORE
+from moc_jax.data.sources import open_source
+from moc_jax.data.tokenizers import get_tokenizer
+
+LAYOUTS = ("pack", "pad_truncate")
+PACK_BOUNDARIES = ("segment", "eos")
+_SEQUENCE_FIELDS = ("input_ids", "labels", "n_malformed")
+
+
+def check_config(c) -> None:
+  """Rejects an invalid `config.data` with one DataError naming the field."""
+  for field, allowed in (("layout", LAYOUTS), ("pack_boundaries", PACK_BOUNDARIES), ("chat_format", CHAT_FORMATS)):
+    if c[field] not in allowed:
+      raise DataError(f"config.data.{field}: unknown value {c[field]!r}; use one of {list(allowed)}")
+  for field, minimum in (("seq_len", 2), ("batch_size", 1), ("num_threads", 0), ("prefetch", 0)):
+    if not isinstance(c[field], int) or isinstance(c[field], bool) or c[field] < minimum:
+      raise DataError(f"config.data.{field}: must be an integer >= {minimum}, got {c[field]!r}")
+
+
+def _shuffle_seed(seed: int) -> int:
+  # Grain shuffles epoch e with seed + e; hashing keeps runs with seeds s and s + 1 from sharing epochs.
+  return int(np.random.SeedSequence([seed, 0x6D6F63]).generate_state(1)[0])
+
+
+def _to_element(record, *, to_example, layout, boundaries, eos_id, seq_len):
+  """A record -> {'input_ids', 'labels'} int32 arrays, or None (malformed)."""
+  example = to_example(record)
+  if example is None:
+    return None
+  ids, labels = example
+  if layout == "pad_truncate":
+    return {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
+  eos_label = eos_id if labels[-1] != IGNORE else IGNORE  # chat: stop after assistant text only
+  ids, labels = np.append(ids, np.int32(eos_id)), np.append(labels, np.int32(eos_label))
+  if boundaries == "segment":
+    labels[0] = IGNORE
+  return {"input_ids": ids, "labels": labels}
+
+
+class _CountMalformedIterator(grain.DatasetIterator):
+  """Drops None records and puts their count on the first token of the next valid element.
+
+  Between `next` calls no drop is pending, so the state is exactly the parent's.
+  """
+
+  def __init__(self, parent, *, limit, on_exhausted):
+    super().__init__(parent)
+    self._limit, self._on_exhausted = limit, on_exhausted
+
+  def __next__(self):
+    dropped = 0
+    while True:
+      try:
+        element = next(self._parent)
+      except StopIteration:
+        if self._on_exhausted is not None:
+          self._on_exhausted(dropped)
+        raise
+      if element is not None:
+        break
+      dropped += 1
+      if dropped >= self._limit:
+        raise DataError(f"{dropped} malformed records in a row (a whole pass over the data): nothing is usable")
+    counts = np.zeros(len(element["input_ids"]), np.int32)
+    counts[0] = dropped
+    return {**element, "n_malformed": counts}
+
+  def get_state(self):
+    return self._parent.get_state()
+
+  def set_state(self, state):
+    self._parent.set_state(state)
+
+
+class _CountMalformed(grain.IterDataset):
+
+  def __init__(self, parent, *, limit, on_exhausted=None):
+    super().__init__(parent)
+    self._limit, self._on_exhausted = limit, on_exhausted
+
+  def __iter__(self):
+    return _CountMalformedIterator(self._parent.__iter__(), limit=self._limit, on_exhausted=self._on_exhausted)
+
+
+def _pad_truncate_row(element, *, seq_len, pad_id):
+  n = len(element["input_ids"])
+  input_ids = np.full(seq_len, pad_id, np.int32)
+  labels = np.full(seq_len, IGNORE, np.int32)
+  mask = np.zeros(seq_len, np.int32)
+  input_ids[:n], labels[:n], mask[:n] = element["input_ids"], element["labels"], 1
+  return {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
+          "n_malformed": element["n_malformed"].sum(dtype=np.int32)}
+
+
+def _packed_row(packed, *, pad_id, segments):
+  seg = packed["input_ids_segment_ids"]
+  real = seg > 0
+  row = {"input_ids": np.where(real, packed["input_ids"], pad_id).astype(np.int32),
+         "labels": np.where(real, packed["labels"], IGNORE).astype(np.int32),
+         "attention_mask": real.astype(np.int32),
+         "n_malformed": packed["n_malformed"].sum(dtype=np.int32)}
+  if segments:
+    row["segment_ids"] = seg.astype(np.int32)
+    row["positions"] = np.where(real, packed["input_ids_positions"], 0).astype(np.int32)
+  return row
+
+
+def _stack(rows):
+  batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  batch["n_malformed"] = np.asarray(batch["n_malformed"].sum(), np.int32)
+  return batch
+
+
+def _batches(ds, c, tokenizer, *, drop_remainder):
+  """Valid elements (IterDataset) -> rows in the configured layout -> batches."""
+  if c.layout == "pad_truncate":
+    ds = ds.map(lambda e: _pad_truncate_row(e, seq_len=c.seq_len, pad_id=tokenizer.pad_id))
+  else:
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={k: c.seq_len for k in _SEQUENCE_FIELDS})
+    segments = c.pack_boundaries == "segment"
+    ds = ds.map(lambda p: _packed_row(p, pad_id=tokenizer.pad_id, segments=segments))
+  return ds.batch(c.batch_size, drop_remainder=drop_remainder, batch_fn=_stack)
+
+
+def _elements(c, split, tokenizer, *, process_index=0, process_count=1, train):
+  """(MapDataset of elements-or-None, number of records per pass for this process)."""
+  records, to_example = open_source(c, split, tokenizer)
+  if not len(records):
+    raise DataError(f"{c.name!r} split {split!r} has no records")
+  ds = grain.MapDataset.source(records)
+  if train:
+    if c.shuffle:
+      ds = ds.shuffle(seed=_shuffle_seed(c.seed))
+    ds = ds.repeat(None)[process_index::process_count]
+  ds = ds.map(lambda r: _to_element(r, to_example=to_example, layout=c.layout, boundaries=c.pack_boundaries,
+                                    eos_id=tokenizer.eos_id, seq_len=c.seq_len))
+  return ds, -(-len(records) // process_count)
+
+
+def make_train_iterator(config_data, *, process_index: int = 0, process_count: int = 1) -> grain.DatasetIterator:
+  """Endless, checkpointable iterator of this process's batches (format in the module docstring).
+
+  Deterministic in config_data.seed; process p reads records p, p + P, ... of the shuffled, repeated stream,
+  so processes see disjoint records. Save/restore with `get_state`/`set_state` or Orbax's
+  `grain.checkpoint.CheckpointSave/CheckpointRestore`.
+  """
+  check_config(config_data)
+  if not 0 <= process_index < process_count:
+    raise DataError(f"process_index {process_index} is outside [0, {process_count})")
+  tokenizer = get_tokenizer(config_data.tokenizer)
+  ds, per_pass = _elements(config_data, "train", tokenizer, process_index=process_index,
+                           process_count=process_count, train=True)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config_data.num_threads), allow_nones=True)
+  it = _batches(_CountMalformed(it, limit=per_pass), config_data, tokenizer, drop_remainder=True)
+  if config_data.prefetch:
+    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=config_data.prefetch)
+  return iter(it)
+
+
+def _pad_batch(batch, batch_size, pad_id):
+  """Fills a last partial batch with fully masked rows (pad ids, labels -100, mask 0)."""
+  missing = batch_size - len(batch["input_ids"])
+  if missing == 0:
+    return batch
+  fill = {"input_ids": pad_id, "labels": IGNORE}
+  return {k: v if k == "n_malformed" else
+          np.concatenate([v, np.full((missing, *v.shape[1:]), fill.get(k, 0), v.dtype)]) for k, v in batch.items()}
+
+
+def make_eval_batches(config_data, split: str = "validation", max_batches: int | None = None) -> list[dict]:
+  """Every record of `split`, in order, as a list of batches (the same format; the last one padded).
+
+  Identical on every process (shard rows yourself if needed). Malformed records after the last valid one
+  are added to the last batch's n_malformed.
+  """
+  check_config(config_data)
+  tokenizer = get_tokenizer(config_data.tokenizer)
+  ds, per_pass = _elements(config_data, split, tokenizer, train=False)
+  trailing = []
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config_data.num_threads), allow_nones=True)
+  it = _batches(_CountMalformed(it, limit=per_pass, on_exhausted=trailing.append), config_data, tokenizer,
+                drop_remainder=False)
+  batches = []
+  for batch in it:
+    batches.append(_pad_batch(batch, config_data.batch_size, tokenizer.pad_id))
+    if max_batches is not None and len(batches) >= max_batches:
+      break
+  if trailing and batches:
+    batches[-1]["n_malformed"] = np.asarray(batches[-1]["n_malformed"] + trailing[0], np.int32)
+  return batches
+
+
+def _str(value):
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def load_probes(config_data) -> list[dict]:
+  """moc_facts probes: {prompt, answer, candidates, entity, entity_rank, doc_count, attribute} (str / int).
+
+  Score a candidate by the log-likelihood of " " + candidate after the prompt.
+  """
+  if config_data.name != "moc_facts":
+    raise DataError(f"probes exist only for config.data.name='moc_facts', not {config_data.name!r}")
+  records, _ = open_source(config_data, "probes", get_tokenizer(config_data.tokenizer))
+  return [{"prompt": _str(r["prompt"]), "answer": _str(r["answer"]),
+           "candidates": [_str(v) for v in r["candidates"]], "entity": _str(r["entity"]),
+           "entity_rank": int(r["entity_rank"]), "doc_count": int(r["doc_count"]),
+           "attribute": _str(r["attribute"])} for r in (records[i] for i in range(len(records)))]

@@ -1,0 +1,108 @@
+"""Fact recall on moc_facts probes: log-likelihood choice among candidates and greedy exact match.
+
+Choice scoring follows MoC-PT's MCQ harness: each row is prompt + continuation, right-padded, scored by
+the mean log-likelihood of the continuation tokens (length-normalised); the argmax candidate wins.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moc_jax.losses import IGNORE, next_token_nll_rows
+
+ROW_MULTIPLE = 16  # pad lengths to a multiple of this so a few shapes cover all probes (few recompiles)
+
+
+def _continuation(prompt: str, text: str) -> str:
+  return text if prompt.endswith((" ", "\n")) else " " + text
+
+
+def _pad_rows(rows, pad_id, multiple=ROW_MULTIPLE):
+  width = -(-max(len(r) for r in rows) // multiple) * multiple
+  ids = np.full((len(rows), width), pad_id, np.int32)
+  mask = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    ids[i, :len(r)], mask[i, :len(r)] = r, 1
+  return ids, mask
+
+
+class ProbeEvaluator:
+  """Scores a fixed list of probes with the current params (jitted; shapes fixed per run)."""
+
+  def __init__(self, graphdef, probes, tokenizer, batch_rows: int = 64):
+    self.graphdef, self.tok, self.batch_rows = graphdef, tokenizer, batch_rows
+    self.probes = probes
+    self.num_candidates = len(probes[0]["candidates"])
+    rows, labels = [], []
+    for p in probes:
+      prompt = tokenizer.encode(p["prompt"])
+      for cand in p["candidates"]:
+        cont = tokenizer.encode(_continuation(p["prompt"], cand))
+        rows.append(prompt + cont)
+        labels.append([IGNORE] * len(prompt) + cont)
+    self.ids, self.mask = _pad_rows(rows, tokenizer.pad_id)
+    self.labels = np.full_like(self.ids, IGNORE)
+    for i, lab in enumerate(labels):
+      self.labels[i, :len(lab)] = lab
+    self.answer_index = np.array([p["candidates"].index(p["answer"]) for p in probes])
+    self.prompts = [tokenizer.encode(p["prompt"]) for p in probes]
+    self.answers = [tokenizer.encode(_continuation(p["prompt"], p["answer"])) for p in probes]
+    self.gen_ids, self.gen_mask = _pad_rows([p + [tokenizer.pad_id] * len(a) for p, a in
+                                             zip(self.prompts, self.answers)], tokenizer.pad_id)
+    self.gen_mask[:] = 0
+    for i, p in enumerate(self.prompts):
+      self.gen_mask[i, :len(p)] = 1
+    self.num_new = max(len(a) for a in self.answers)
+
+    @jax.jit
+    def score(params, ids, mask, labels):
+      logits, _ = nnx.merge(graphdef, params)(ids, mask, train=False)
+      nll, count = next_token_nll_rows(logits, labels)
+      return -nll / jnp.maximum(count, 1)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def greedy(params, ids, mask, starts, num_new):
+      model = nnx.merge(graphdef, params)
+      rows = jnp.arange(ids.shape[0])
+
+      def body(i, carry):
+        ids, mask = carry
+        logits, _ = model(ids, mask, train=False)
+        pos = starts + i
+        nxt = jnp.argmax(logits[rows, pos - 1], axis=-1).astype(ids.dtype)
+        return ids.at[rows, pos].set(nxt), mask.at[rows, pos].set(1)
+      ids, _ = jax.lax.fori_loop(0, num_new, body, (ids, mask))
+      return ids
+
+    self._score, self._greedy = score, greedy
+
+  def _chunks(self, n, size):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+  def __call__(self, params) -> dict:
+    scores = np.concatenate([np.asarray(self._score(params, *self._padded(s, self.ids, self.mask, self.labels)))
+                             [:s.stop - s.start] for s in self._chunks(len(self.ids), self.batch_rows)])
+    choice = scores.reshape(len(self.probes), self.num_candidates).argmax(-1)
+    starts = np.array([len(p) for p in self.prompts], np.int32)
+    exact = []
+    for s in self._chunks(len(self.probes), self.batch_rows):
+      ids, mask, st = self._padded(s, self.gen_ids, self.gen_mask, starts)
+      out = np.asarray(self._greedy(params, ids, mask, st, self.num_new))
+      for j, i in enumerate(range(s.start, s.stop)):
+        a = self.answers[i]
+        exact.append(out[j, starts[i]:starts[i] + len(a)].tolist() == a)
+    return {"probe_acc": float(np.mean(choice == self.answer_index)), "probe_exact": float(np.mean(exact)),
+            "probe_chance": 1.0 / self.num_candidates, "num_probes": len(self.probes)}
+
+  def _padded(self, s, *arrays):
+    """Pads a chunk to `batch_rows` rows (repeating row 0) so every call has one shape."""
+    out = []
+    for a in arrays:
+      chunk = a[s]
+      extra = self.batch_rows - len(chunk)
+      out.append(np.concatenate([chunk, np.repeat(chunk[:1], extra, axis=0)]) if extra else chunk)
+    return out

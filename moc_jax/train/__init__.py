@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, the jitted step, the loop."""

@@ -1,0 +1,224 @@
+"""The training loop: build or resume the state, step, log, evaluate, checkpoint; survive preemption.
+
+Resume is exact: the newest finished checkpoint holds params, optimizer, step, data-iterator state and
+rng, and metrics rows logged after it are dropped, so a run killed at any moment and re-run writes the
+same losses as one that never stopped (same config and seed, CPU).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import moc_jax
+from moc_jax import checkpoint as ckpt_lib
+from moc_jax import data as data_lib
+from moc_jax.train import optim
+from moc_jax.train.metrics import MetricsWriter
+from moc_jax.train.step import make_eval_step, make_train_step
+
+log = logging.getLogger("moc_jax")
+
+
+class TrainingError(RuntimeError):
+  """The run cannot continue (e.g. too many consecutive non-finite updates); nothing bad was saved."""
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+def make_mesh(config):
+  devices = np.array(jax.devices()).reshape(-1, *([1] * (len(config.sharding.mesh_axes) - 1)))
+  return jax.sharding.Mesh(devices, config.sharding.mesh_axes,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(config.sharding.mesh_axes))
+
+
+def param_shardings(abstract_params, mesh, rules):
+  with nnx.logical_axis_rules(rules):
+    specs = nnx.get_partition_spec(abstract_params)
+  return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+
+
+def micro_batch_config(config):
+  """Per-process data config: one loader batch = grad_accum micro-batches of this process's share."""
+  d = config.data.copy_and_resolve_references()
+  d.unlock()
+  d.batch_size = config.train.batch_size * config.train.grad_accum // jax.process_count()
+  return d
+
+
+def build_state(config, mesh):
+  """(graphdef, tx, abstract state, shardings, init_fn) for this config; nothing allocated yet."""
+  abstract = moc_jax.abstract_model(config)
+  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+  p_shard = param_shardings(abstract_params, mesh, config.sharding.rules)
+  tx = optim.make_optimizer(config.train, abstract_params)
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  o_shard = jax.tree.map(lambda _: replicated, abstract_opt)
+  o_shard = _mirror_param_shardings(tx, abstract_opt, p_shard, o_shard)
+  scalars = {k: replicated for k in ("step", "nonfinite", "skipped", "rng")}
+  shardings = {"params": p_shard, "opt_state": o_shard, **scalars}
+
+  def init(seed):
+    params = nnx.state(moc_jax.model.Transformer(config, nnx.Rngs(params=seed)), nnx.Param)
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "nonfinite": jnp.zeros((), jnp.int32), "skipped": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed))}
+
+  init_fn = jax.jit(init, static_argnums=0, out_shardings=shardings)
+  abstract_state = jax.eval_shape(init, config.seed)
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                abstract_state, shardings)
+  return graphdef, tx, abstract_state, shardings, init_fn
+
+
+def _mirror_param_shardings(tx, abstract_opt, p_shard, default):
+  """Adam moments shard like their parameters; counters stay replicated."""
+  import optax
+  try:
+    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_shard,
+                                 transform_non_params=lambda x: default_leaf(default, x),
+                                 is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  except Exception:  # a transform optax cannot map: keep everything replicated
+    return default
+
+
+def default_leaf(default, x):
+  return jax.tree.leaves(default)[0] if hasattr(x, "shape") else x
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds checkpoints); returns the last metrics."""
+  os.makedirs(workdir, exist_ok=True)
+  moc_jax._warn_if_not_causal(config)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  mesh = make_mesh(config)
+  t = config.train
+  graphdef, tx, abstract_state, shardings, init_fn = build_state(config, mesh)
+  data_cfg = micro_batch_config(config)
+  data_iter = data_lib.make_train_iterator(data_cfg, process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+  start = checkpointer.latest_step()
+  if start is not None:
+    state = {**checkpointer.restore(start, abstract_state, data_iter),
+             "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), shardings["nonfinite"])}
+    log.warning("moc_jax: resumed %s from step %d", workdir, start)
+  else:
+    start = 0
+    state = init_fn(config.seed)
+    if t.init_from:
+      params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"])
+      state["params"] = params
+      log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
+  writer = MetricsWriter(workdir, t.steps, start, t.progress)
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.P(config.sharding.rules[0][1]))
+  train_step = jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
+                       out_shardings=(shardings, None), donate_argnums=0)
+  evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
+  preempt = _Preemption()
+  tokens_per_batch = t.batch_size * t.grad_accum * config.data.seq_len
+  window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
+  last = {}
+  try:
+    for step in range(start + 1, t.steps + 1):
+      t_wait = time.time()
+      host_batch = next(data_iter)
+      window["wait"] += time.time() - t_wait
+      window["malformed"] += int(np.sum(host_batch.pop("n_malformed", 0)))
+      batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in host_batch.items()}
+      state, metrics = train_step(state, batch)
+      window["steps"] += 1
+      if int(state["nonfinite"]) >= t.max_nonfinite:
+        raise TrainingError(f"{t.max_nonfinite} consecutive non-finite updates at step {step} (all skipped, "
+                            "nothing saved after them); lower train.base_lr/memory_lr or check the data")
+      if step % t.log_every == 0 or step == t.steps:
+        last = _log_row(writer, step, state, metrics, window, tokens_per_batch, t)
+      if step % t.eval_every == 0 or step == t.steps:
+        writer.write({"step": step, "split": "validation", **evaluator(state["params"])})
+        writer.plot()
+      if step % t.checkpoint_every == 0 or step == t.steps or preempt.requested:
+        checkpointer.save(step, state, data_iter)
+      if preempt.requested:
+        checkpointer.wait()
+        log.warning("moc_jax: SIGTERM — checkpoint saved at step %d; re-run the same command to resume", step)
+        break
+  finally:
+    preempt.restore()
+    checkpointer.close()
+    writer.close()
+  return last
+
+
+def _log_row(writer, step, state, metrics, window, tokens_per_batch, t):
+  metrics = jax.device_get(metrics)
+  elapsed = time.time() - window["t0"]
+  lrs = optim.current_lrs(t, step - 1 - int(state["skipped"]))
+  row = {"step": step, "loss": metrics["loss"], "ce": metrics["ce"], "aux": metrics["aux"],
+         "lr": lrs["base"], "lr_memory": lrs["memory"], "lr_bank": lrs["bank"], "grad_norm": metrics["grad_norm"],
+         "tokens_per_s": tokens_per_batch * window["steps"] / max(elapsed, 1e-9),
+         "data_wait_frac": window["wait"] / max(elapsed, 1e-9), "skipped_nonfinite": int(state["skipped"]),
+         "malformed_records": window["malformed"]}
+  if "router_entropy" in metrics:
+    row["router_entropy"] = metrics["router_entropy"]
+  writer.write(row)
+  window.update(t0=time.time(), wait=0.0, steps=0)
+  return row
+
+
+class Evaluator:
+  """Validation CE over the eval split (and fact recall on moc_facts probes)."""
+
+  def __init__(self, config, graphdef, p_shard, batch_sharding):
+    self.batches = list(data_lib.make_eval_batches(micro_batch_config(config), split="validation",
+                                                   max_batches=config.train.eval_batches))
+    self.sharding = batch_sharding
+    self.step = jax.jit(make_eval_step(graphdef), in_shardings=(p_shard, batch_sharding))
+    self.probes = None
+    if config.data.name == "moc_facts":
+      from moc_jax.data.tokenizers import get_tokenizer
+      from moc_jax.eval import ProbeEvaluator
+      probes = data_lib.load_probes(config.data)[:config.train.num_probes]
+      self.probes = ProbeEvaluator(graphdef, probes, get_tokenizer(config.data.tokenizer))
+
+  def __call__(self, params) -> dict:
+    nll, count = 0.0, 0
+    for b in self.batches:
+      b = {k: v for k, v in b.items() if k != "n_malformed"}
+      s, c = self.step(params, {k: jax.make_array_from_process_local_data(self.sharding, v) for k, v in b.items()})
+      nll, count = nll + float(s), count + int(c)
+    ce = nll / max(count, 1)
+    out = {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}
+    if self.probes is not None:
+      out.update(self.probes(params))
+    return out
+
+
+def evaluate_checkpoint(config, workdir: str) -> dict:
+  """--mode=eval: validation CE (and fact recall) of the newest checkpoint in `workdir`."""
+  mesh = make_mesh(config)
+  graphdef, _, abstract_state, shardings, _ = build_state(config, mesh)
+  params, step = ckpt_lib.restore_params(workdir, abstract_state["params"])
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.P(config.sharding.rules[0][1]))
+  return {"step": step, "split": "validation",
+          **Evaluator(config, graphdef, shardings["params"], batch_sharding)(params)}
