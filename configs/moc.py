@@ -10,7 +10,8 @@ import common  # noqa: E402  (configs are loaded by path, not as a package)
 
 
 def _262k(c):
-  return c  # the base config is the paper model
+  c.data.seq_len = 1024  # the paper model as trained: 1024-token rows
+  return c
 
 
 def _small(c):
@@ -18,6 +19,7 @@ def _small(c):
                  mlp_dim=768, max_seq_len=256)
   c.memory.update(num_tokens=257 * 32, num_chapters=257, num_shared=1, top_k=16,
                   num_heads=8, num_kv_heads=8, layer_indices=(1, 3, 5, 7))
+  c.data.seq_len = 256
   return c
 
 
@@ -26,6 +28,7 @@ def _tiny(c):
                  mlp_dim=192, max_seq_len=128)
   c.memory.update(num_tokens=65 * 16, num_chapters=65, num_shared=1, top_k=8,
                   num_heads=4, num_kv_heads=4, layer_indices=(1, 3))
+  c.data.seq_len = 128
   return c
 
 

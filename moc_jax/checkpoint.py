@@ -39,7 +39,7 @@ class Checkpointer:
 
   def save(self, step: int, state: dict, data_iter) -> None:
     """`state` holds params, opt_state, rng and the counters step / skipped (saved as the `step` item)."""
-    items = {"params": state["params"], "opt_state": state["opt_state"], "rng": state["rng"],
+    items = {"params": state["params"], "opt_state": state["opt_state"], "rng": {"key": state["rng"]},
              "step": {"step": state["step"], "skipped": state["skipped"]}}
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
     self.manager.save(step, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(data_iter), **args),
@@ -48,7 +48,7 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: dict, data_iter) -> dict:
     """Restores every item onto `abstract_state`'s shapes/shardings; `data_iter` is restored in place."""
     targets = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
-               "rng": abstract_state["rng"],
+               "rng": {"key": abstract_state["rng"]},
                "step": {"step": abstract_state["step"], "skipped": abstract_state["skipped"]}}
     args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
     try:
@@ -58,7 +58,7 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this config ({e}); "
                             "use a fresh --workdir, or the config the run was started with "
                             "(its config.json)") from e
-    return {"params": out["params"], "opt_state": out["opt_state"], "rng": out["rng"], **out["step"]}
+    return {"params": out["params"], "opt_state": out["opt_state"], "rng": out["rng"]["key"], **out["step"]}
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -36,7 +36,10 @@ def load_config(spec: str, overrides: dict | None = None) -> config_dict.ConfigD
   module_spec = importlib.util.spec_from_file_location(f"_moc_cfg_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  config = module.get_config(arg) if arg else module.get_config()
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   for key, value in (overrides or {}).items():
     _set_dotted(config, key, value)
   validate(config)
@@ -48,12 +51,16 @@ def _set_dotted(config, key, value):
   parent = config
   parts = key.split(".")
   for part in parts[:-1]:
-    if part not in parent:
+    if not isinstance(parent, config_dict.ConfigDict) or part not in parent:
       raise ConfigError(f"override {key!r}: no field {part!r} in the config")
     parent = parent[part]
-  if parts[-1] not in parent:
-    raise ConfigError(f"override {key!r}: no field {parts[-1]!r}; known: {sorted(parent.keys())}")
-  parent[parts[-1]] = tuple(value) if isinstance(value, list) else value
+  if not isinstance(parent, config_dict.ConfigDict) or parts[-1] not in parent:
+    known = sorted(parent.keys()) if isinstance(parent, config_dict.ConfigDict) else []
+    raise ConfigError(f"override {key!r}: no field {parts[-1]!r}; known: {known}")
+  try:
+    parent[parts[-1]] = tuple(value) if isinstance(value, list) else value
+  except TypeError as e:
+    raise ConfigError(f"override {key!r}: {e}") from e
 
 
 def _fail(field, problem, fix):
@@ -90,6 +97,10 @@ def validate(c) -> None:
           "pick a divisor of num_heads (GQA groups)")
   if (m.d_model // m.num_heads) % 2:
     _fail("model.num_heads", f"head_dim {m.d_model // m.num_heads} is odd", "RoPE needs an even head_dim")
+  if "data" in c and c.data.seq_len > m.max_seq_len:
+    _fail("data.seq_len", f"{c.data.seq_len} > model.max_seq_len {m.max_seq_len}", "shorten data.seq_len")
+  if "train" in c:
+    _validate_train(c)
   if not mem.enabled:
     return
   _enum(c, "memory.placement", PLACEMENTS)
@@ -110,6 +121,9 @@ def validate(c) -> None:
   if mem.num_shared >= mem.num_chapters:
     _fail("memory.num_shared", f"{mem.num_shared} leaves no routable chapter of {mem.num_chapters}",
           "use fewer shared chapters than num_chapters")
+  if mem.num_shared == 0 and mem.routed_scaling_factor == 0:
+    _fail("memory.routed_scaling_factor", "0 with no shared chapter gives every chapter weight 0/0",
+          "use a positive factor or add a shared chapter")
   if mem.top_k > mem.num_chapters - mem.num_shared:
     _fail("memory.top_k", f"{mem.top_k} > routable chapters {mem.num_chapters - mem.num_shared}",
           "lower top_k or add chapters")
@@ -128,6 +142,33 @@ def validate(c) -> None:
   if not memory_layers(c):
     _fail("memory.placement", f"{mem.placement!r} places no memory layer",
           "set memory.enabled=False for a vanilla model, or place at least one memory layer")
+
+
+SCHEDULES = ("wsd", "cosine", "linear", "constant")
+
+
+def _validate_train(c):
+  t = c.train
+  for f in ("batch_size", "grad_accum", "steps", "log_every", "eval_every", "checkpoint_every",
+            "keep_checkpoints", "max_nonfinite"):
+    _positive(c, f"train.{f}")
+  for f in ("base_lr", "memory_lr", "weight_decay", "clip_norm", "warmup_steps", "min_lr_ratio", "num_probes"):
+    _positive(c, f"train.{f}", allow_zero=True)
+  if t.bank_lr is not None and t.bank_lr < 0:
+    _fail("train.bank_lr", f"must be >= 0 or None, got {t.bank_lr}", "use 0 for a frozen bank, None for memory_lr")
+  _enum(c, "train.schedule", SCHEDULES)
+  if t.warmup_steps > t.steps:
+    _fail("train.warmup_steps", f"{t.warmup_steps} > train.steps {t.steps}", "shorten the warm-up")
+  if t.decay_start_ratio is not None and not 0 <= t.decay_start_ratio <= 1:
+    _fail("train.decay_start_ratio", f"{t.decay_start_ratio} is outside [0, 1]", "use a fraction of train.steps")
+  for f in ("b1", "b2"):
+    if not 0 <= t[f] < 1:
+      _fail(f"train.{f}", f"Adam beta must be in [0, 1), got {t[f]}", "e.g. 0.9 / 0.95")
+  _positive(c, "train.eps")
+  import jax
+  if (t.batch_size * t.grad_accum) % jax.process_count():
+    _fail("train.batch_size", f"{t.batch_size}*{t.grad_accum} is not divisible by {jax.process_count()} processes",
+          "use a global batch divisible by the process count")
 
 
 def memory_layers(c) -> tuple[int, ...]:

@@ -25,6 +25,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if FLAGS.config is None or FLAGS.workdir is None:
     raise app.UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.WARNING)  # library INFO chatter (orbax, tfds) off the console
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()
   logging.getLogger("moc_jax").setLevel(logging.INFO)
   from moc_jax.config import ConfigError, validate
   from moc_jax.checkpoint import CheckpointError

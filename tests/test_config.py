@@ -52,6 +52,18 @@ REJECTIONS = [
     ("unknown_param_dtype", {"model.param_dtype": "int8"}, "model.param_dtype"),
     ("unknown_remat", {"model.remat": "selective"}, "model.remat"),
 ]
+# data / train fields (checked before the memory fields)
+REJECTIONS += [
+    ("seq_len_over_max", {"data.seq_len": 129}, "data.seq_len"),
+    ("train_batch_zero", {"train.batch_size": 0}, "train.batch_size"),
+    ("train_steps_negative", {"train.steps": -1}, "train.steps"),
+    ("train_lr_negative", {"train.base_lr": -1e-3}, "train.base_lr"),
+    ("train_bank_lr_negative", {"train.bank_lr": -1.0}, "train.bank_lr"),
+    ("train_unknown_schedule", {"train.schedule": "step"}, "train.schedule"),
+    ("train_warmup_over_steps", {"train.steps": 10, "train.warmup_steps": 11}, "train.warmup_steps"),
+    ("train_decay_ratio_out_of_range", {"train.decay_start_ratio": 1.5}, "train.decay_start_ratio"),
+    ("train_b1_is_one", {"train.b1": 1.0}, "train.b1"),
+]
 for _f in MODEL_POSITIVE:
   REJECTIONS += [(f"model_{_f}_zero", {f"model.{_f}": 0}, f"model.{_f}"),
                  (f"model_{_f}_negative", {f"model.{_f}": -1}, f"model.{_f}")]
@@ -87,6 +99,15 @@ def test_validate_accepts_boundaries(changes):
   for key, value in changes.items():
     _set(c, key, value)
   moc_jax.validate(c)
+
+
+def test_validate_rejects_all_zero_chapter_weights():
+  """No shared chapter and routed_scaling_factor 0 make every chapter weight 0/0 (NaN logits)."""
+  c = _tiny()
+  c.memory.num_shared = 0
+  c.memory.routed_scaling_factor = 0.0
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.memory\.(routed_scaling_factor|num_shared):"):
+    moc_jax.validate(c)
 
 
 def test_disabled_memory_skips_memory_checks():

@@ -188,9 +188,80 @@ def _norm64(x, kind, eps):
 @pytest.mark.parametrize("kind", ["rms", "layernorm"])
 @pytest.mark.parametrize("eps", [1e-5, 1e-2])
 def test_normalize_tokens(kind, eps):
-  rng = np.random.default_rng(hash((kind, eps)) % 2 ** 32)
+  rng = np.random.default_rng(int(eps * 1e5) + len(kind))
   x = (rng.normal(0.3, 1.0, (2, 5, 16, 48)) * rng.uniform(0.05, 3.0, (2, 5, 16, 1))).astype(np.float32)
   out = normalize_tokens(jnp.asarray(x), kind, eps)
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), _norm64(x, kind, eps), rtol=2e-5, atol=2e-6)
   np.testing.assert_array_equal(np.asarray(normalize_tokens(jnp.asarray(x), "none", eps)), x)
+
+
+def _memory_layer64(p, h, route_input, bank, cfg):
+  """Float64 reference of one memory read (spec §1.4-§1.7): route on the layer input, gather
+  [shared, routed...] chapters, parameter-free token norm (skipped without shared chapters), scale
+  every token by its chapter weight, then one joint softmax over all selected tokens."""
+  m, mem = cfg.model, cfg.memory
+  s, k, f = mem.num_shared, mem.top_k, mem.routed_scaling_factor
+  z = route_input.mean(1) @ p["router_w"] + p["router_b"]
+  _, ids, w = _route64(z, s, k)
+  b = z.shape[0]
+  chapters = np.concatenate([np.tile(np.arange(s), (b, 1)), ids], -1)
+  mix = np.concatenate([np.ones((b, s)), f * w], -1) / (s + f)
+  sel = bank[chapters]  # [B, s+k, T, dm]
+  if s > 0 and mem.token_norm != "none":
+    sel = _norm64(sel, mem.token_norm, mem.token_norm_eps)
+  sel = (sel * mix[:, :, None, None]).reshape(b, -1, sel.shape[-1])
+  x = h / np.sqrt((h ** 2).mean(-1, keepdims=True) + m.norm_eps) * p["norm"]
+  hd = m.d_model // mem.num_heads
+  q = (x @ p["q"]).reshape(b, h.shape[1], mem.num_heads, hd)
+  kk = (sel @ p["k"]).reshape(b, sel.shape[1], mem.num_kv_heads, hd)
+  vv = (sel @ p["v"]).reshape(b, sel.shape[1], mem.num_kv_heads, hd)
+  g = mem.num_heads // mem.num_kv_heads
+  kk, vv = np.repeat(kk, g, 2), np.repeat(vv, g, 2)
+  sc = np.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(hd)
+  a = np.exp(sc - sc.max(-1, keepdims=True))
+  a /= a.sum(-1, keepdims=True)
+  out = np.einsum("bhqk,bkhd->bqhd", a, vv).reshape(b, h.shape[1], -1) @ p["o"]
+  return out, chapters, mix, z
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"memory.token_norm": "layernorm", "memory.num_shared": 2, "memory.routed_scaling_factor": 5.0,
+     "memory.num_kv_heads": 2, "memory.dim": 48},
+    {"memory.num_shared": 0, "memory.top_k": 6},
+])
+def test_memory_layer_matches_numpy(overrides):
+  from flax import nnx
+
+  import moc_jax
+  cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.compute_dtype": "float32", **overrides})
+  layer = memory.MemoryLayer(cfg, nnx.Rngs(params=0))
+  rng = np.random.default_rng(len(overrides))
+  d, mem = cfg.model.d_model, cfg.memory
+  md = mem.dim or d
+  t = mem.num_tokens // mem.num_chapters
+  p = {"router_w": rng.normal(0, 0.3, (d, mem.num_chapters)), "router_b": rng.normal(0, 1.0, mem.num_chapters),
+       "norm": rng.normal(1, 0.3, d), "q": rng.normal(0, 0.2, (d, d)),
+       "k": rng.normal(0, 0.2, (md, layer.attn.k.kernel.shape[1])),
+       "v": rng.normal(0, 0.2, (md, layer.attn.v.kernel.shape[1])), "o": rng.normal(0, 0.2, (d, d))}
+  p = {k_: v.astype(np.float32) for k_, v in p.items()}
+  for var, key in [(layer.router.proj.kernel, "router_w"), (layer.router.proj.bias, "router_b"),
+                   (layer.norm.scale, "norm"), (layer.attn.q.kernel, "q"), (layer.attn.k.kernel, "k"),
+                   (layer.attn.v.kernel, "v"), (layer.attn.o.kernel, "o")]:
+    assert var.get_value().shape == p[key].shape, key
+    var.set_value(jnp.asarray(p[key]))
+  h = rng.normal(0, 1, (2, 8, d)).astype(np.float32)
+  route_input = rng.normal(0, 1, (2, 8, d)).astype(np.float32)
+  bank = (rng.normal(0, 0.02, (mem.num_chapters, t, md)) * rng.uniform(0.2, 5, (mem.num_chapters, t, 1)))
+  bank = bank.astype(np.float32)
+
+  out, stats = nnx.jit(lambda m, *a: m(*a))(layer, *map(jnp.asarray, (h, route_input, bank)))
+  p64 = {k_: v.astype(np.float64) for k_, v in p.items()}
+  ref, chapters, mix, z = _memory_layer64(p64, h.astype(np.float64), route_input.astype(np.float64),
+                                          bank.astype(np.float64), cfg)
+  zs = np.sort(z[:, mem.num_shared:], -1)[:, ::-1]
+  assert (zs[:, mem.top_k - 1] - zs[:, mem.top_k] > 1e-4).all()  # the top-k set is unambiguous
+  np.testing.assert_array_equal(np.asarray(stats["chapters"]), chapters)
+  np.testing.assert_allclose(np.asarray(stats["weights"]), mix, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())

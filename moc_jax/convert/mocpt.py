@@ -58,6 +58,7 @@ def config_from_mocpt(model_cfg: dict, memory_cfg: dict, compute_dtype: str = "b
       attn_out_init_std=mc.get("self_attn_wo_init_std") or mc["initializer_range"],
       mlp_out_init_std=mc.get("mlp_down_proj_init_std") or mc["initializer_range"],
       compute_dtype=compute_dtype)
+  c.data.seq_len = c.model.max_seq_len  # MoC-PT's training length lives in its `training:` section
   enabled = not mm.get("vanilla_mode", False) and mm.get("use_memory_adapter", True)
   c.memory.enabled = bool(enabled)
   if not enabled:

@@ -32,12 +32,14 @@ def route(logits, num_shared, top_k):
 
   Returns (probs [B,C] over all chapters, routed ids [B,k] in chapter space sorted by descending
   probability, routed weights [B,k] = softmax restricted to the selected set).
+  MoC-PT renormalises probabilities twice (drop shared, keep top-k); that equals top-k on the routed
+  logits and a softmax over the selected ones, which we compute directly: it stays finite when the
+  shared chapter takes all the probability mass (the load-balance loss's degenerate minimum), where
+  the renormalisation divides 0 by 0.
   """
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  routed = probs[:, num_shared:]
-  routed = routed / jnp.sum(routed, axis=-1, keepdims=True)
-  top_vals, top_idx = jax.lax.top_k(routed, top_k)
-  return probs, top_idx + num_shared, top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+  logits = logits.astype(jnp.float32)
+  top_logits, top_idx = jax.lax.top_k(logits[:, num_shared:], top_k)
+  return jax.nn.softmax(logits, axis=-1), top_idx + num_shared, jax.nn.softmax(top_logits, axis=-1)
 
 
 def mix_weights(routed_weights, num_shared, scaling):

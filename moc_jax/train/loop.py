@@ -84,8 +84,8 @@ def build_state(config, mesh):
             "nonfinite": jnp.zeros((), jnp.int32), "skipped": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(seed))}
 
-  init_fn = jax.jit(init, static_argnums=0, out_shardings=shardings)
-  abstract_state = jax.eval_shape(init, config.seed)
+  init_fn = jax.jit(lambda: init(config.seed), out_shardings=shardings)
+  abstract_state = jax.eval_shape(lambda: init(config.seed))
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, shardings)
   return graphdef, tx, abstract_state, shardings, init_fn
@@ -126,7 +126,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     log.warning("moc_jax: resumed %s from step %d", workdir, start)
   else:
     start = 0
-    state = init_fn(config.seed)
+    state = init_fn()
     if t.init_from:
       params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"])
       state["params"] = params
@@ -157,8 +157,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
       if step % t.eval_every == 0 or step == t.steps:
         writer.write({"step": step, "split": "validation", **evaluator(state["params"])})
         writer.plot()
+        window.update(t0=time.time(), wait=0.0, steps=0)  # throughput counts training time only
       if step % t.checkpoint_every == 0 or step == t.steps or preempt.requested:
         checkpointer.save(step, state, data_iter)
+        window.update(t0=time.time(), wait=0.0, steps=0)
       if preempt.requested:
         checkpointer.wait()
         log.warning("moc_jax: SIGTERM — checkpoint saved at step %d; re-run the same command to resume", step)
