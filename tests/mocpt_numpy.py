@@ -2,7 +2,7 @@
 
 It reads MoC-PT's own `model` / `memory` config dicts and state_dict key names (reference_spec.md
 §1.10, PyTorch Linear layout [out, in]) and shares no code with `moc_jax`, so agreement between the
-two is evidence about the port, not about a common helper. Its faithfulness is itself checked
+two is evidence about the port, not about shared code. Its faithfulness is itself checked
 against the PyTorch fixture (tests/test_mocpt_numpy_fixture.py).
 
 Covered: RMSNorm backbone, RoPE, GQA self-attention with causal + key-padding mask, SwiGLU, block
@@ -90,7 +90,7 @@ def bank_assignments(model_cfg: dict, memory_cfg: dict) -> dict[int, int]:
 
 
 def random_mocpt_state(model_cfg: dict, memory_cfg: dict, seed) -> dict[str, np.ndarray]:
-  """A float32 MoC-PT state_dict with every path live.
+  """A float32 MoC-PT state_dict with every path live (`seed`: int or np.random.Generator).
 
   Unlike MoC-PT's init, norm gains are random around 1, memory o_proj is non-zero and the router is
   large (std 1), so each sub-module visibly moves the logits and routing differs between sequences.

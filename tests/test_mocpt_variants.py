@@ -26,7 +26,8 @@ except ImportError:  # the comparison does not depend on the training loss modul
   def next_token_ce(logits, labels):
     return np_next_token_ce(np.asarray(logits), np.asarray(labels))
 
-FIXTURE = "/work/shared/fixtures/moc_pt_paper_small.npz"
+FIXTURE = next((p for p in (os.path.join(os.path.dirname(__file__), "fixtures", "moc_pt_paper_small.npz"),
+                             "/work/shared/fixtures/moc_pt_paper_small.npz") if os.path.exists(p)), "")
 TOL = 1e-5
 BATCH, SEQ = 3, 12
 MIN_ROUTER_MARGIN = 1e-3  # logit gap at the top-k boundary; float32 rounding is ~1e-6 here
@@ -66,7 +67,6 @@ def _base_configs():
 # once so every value of every axis is covered without one compile per value.
 VARIANTS = {
     "paper_small": ({}, {}, True),
-    "paper_small_unpadded": ({}, {}, False),
     # s = 0: MoC-PT ignores routed_scaling_factor and skips the token norm
     "shared0_factor2.5_all_per_layer": ({}, {"num_shared_chapters": 0, "memory_layer_placement": "all",
                                              "memory_sharing": "per_layer"}, True),
@@ -87,10 +87,10 @@ VARIANTS = {
                                  True),
     "variant_B_norm_off": ({}, {"memory_block_variant": "B", "normalize_shared_routed_before_mixing": False},
                            True),
-    "variant_B_all_every_k3_layernorm_eps1e-3": ({}, {"memory_block_variant": "B", "memory_layer_placement": "all",
+    "variant_B_all_every_k3_layernorm_eps1e-2": ({}, {"memory_block_variant": "B", "memory_layer_placement": "all",
                                                       "memory_sharing": "every_k_layers", "memory_sharing_k": 3,
                                                       "shared_routed_norm_type": "layernorm",
-                                                      "shared_routed_norm_eps": 1e-3}, True),
+                                                      "shared_routed_norm_eps": 1e-2}, True),
     "custom_3_0_2_memdim48_zloss_off": ({}, {"memory_layer_indices": [3, 0, 2], "memory_dim": 48,
                                              "use_z_loss": False}, True),
     "topk_clamped_aux_on_lb_off": ({}, {"num_memory_tokens": 64, "num_chapters": 8, "top_k_chapters": 8,
@@ -145,11 +145,21 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _nan_model(config):
+  """The model with every parameter NaN: a parameter the loader misses poisons the logits.
+
+  Same architecture as `moc_jax.build_model(config)` (both validate and build `Transformer`), without
+  its random init, which costs seconds per variant on CPU and is overwritten by the loader anyway.
+  """
+  graphdef, params = nnx.split(moc_jax.abstract_model(config))
+  return nnx.merge(graphdef, jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), params))
+
+
 def _run_ours(model_cfg, memory_cfg, state, ids, mask):
   """Our model, loaded from the MoC-PT state; one compile returns the train- and eval-mode outputs."""
   logging.getLogger("moc_jax").setLevel(logging.ERROR)  # the non-causal routing warning is expected
   config = config_from_mocpt(model_cfg, memory_cfg, compute_dtype="float32")
-  model = moc_jax.build_model(config)
+  model = _nan_model(config)
   load_mocpt_state(model, state)
   graphdef, params = nnx.split(model)
 
@@ -171,19 +181,21 @@ def test_variant_matches_mocpt_reference(name):
 
   (logits, aux), (eval_logits, _) = _run_ours(model_cfg, memory_cfg, state, ids, mask)
 
-  # routing first: a chapter mismatch explains any downstream difference
   assert memory_layer_indices(model_cfg, memory_cfg) == info["layers"]
-  np.testing.assert_array_equal(np.asarray(aux["chapters"]), np.stack(info["ids"]))
-  assert _rel(aux["weights"], np.stack(info["weights"])) <= TOL
-
-  assert _rel(logits, ref_logits) <= TOL
-  assert _rel(eval_logits, ref_logits) <= TOL
   ce_eval = float(next_token_ce(eval_logits, jnp.asarray(labels)))
-  assert _rel(ce_eval, ref_ce) <= TOL
   ce_train = float(next_token_ce(logits, jnp.asarray(labels)))
   router_loss = float(aux["router_loss"])
-  assert _rel(ce_train + router_loss, ref_ce + ref_aux) <= TOL
-  assert abs(router_loss - ref_aux) <= TOL * abs(ref_aux) + 1e-9  # aux alone, not hidden inside CE
+  errors = {  # all reported together: the first failing quantity is not always the cause
+      "chapter_mismatches": int(np.sum(np.asarray(aux["chapters"]) != np.stack(info["ids"]))),
+      "chapter_weights": _rel(aux["weights"], np.stack(info["weights"])),
+      "logits_train": _rel(logits, ref_logits),
+      "logits_eval": _rel(eval_logits, ref_logits),
+      "ce_eval": _rel(ce_eval, ref_ce),
+      "ce_plus_aux_train": _rel(ce_train + router_loss, ref_ce + ref_aux),
+      "router_loss": abs(router_loss - ref_aux) / max(abs(ref_aux), 1e-4),  # aux alone, not hidden in CE
+  }
+  bad = {k: v for k, v in errors.items() if not v <= (0 if k == "chapter_mismatches" else TOL)}
+  assert not bad, f"{name}: {bad} (all: {errors})"
 
 
 # Each listed field flip must move the oracle's outputs far beyond TOL on the variant draws above,
@@ -193,8 +205,7 @@ SENSITIVITY = {
     "num_shared_chapters": ("paper_small", {"num_shared_chapters": 2}),
     "token_norm_type": ("paper_small", {"shared_routed_norm_type": "layernorm"}),
     "token_norm_on": ("variant_B_norm_off", {"normalize_shared_routed_before_mixing": True}),
-    "token_norm_eps": ("variant_B_all_every_k3_layernorm_eps1e-3", {"shared_routed_norm_eps": 1e-5}),
-    "memory_kv_heads": ("factor1_memgqa_4q2kv_last_k3_every_k2", {"memory_num_kv_heads": 4}),
+    "token_norm_eps": ("variant_B_all_every_k3_layernorm_eps1e-2", {"shared_routed_norm_eps": 1e-5}),
     "block_variant": ("paper_small", {"memory_block_variant": "B"}),
 }
 

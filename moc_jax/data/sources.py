@@ -26,7 +26,7 @@ def data_dir(config_data) -> str:
   return os.path.abspath(os.path.expanduser(config_data.data_dir))
 
 
-def _decode_text(value):
+def decode_text(value):
   """The record's text, or None if it is missing, not a string, not UTF-8 or blank."""
   if isinstance(value, bytes):
     try:
@@ -37,7 +37,7 @@ def _decode_text(value):
 
 
 def text_example(record, *, field, tokenizer):
-  text = _decode_text(record.get(field)) if isinstance(record, Mapping) else None
+  text = decode_text(record.get(field)) if isinstance(record, Mapping) else None
   if text is None:
     return None
   ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
@@ -63,11 +63,10 @@ def jsonl_chat_example(line, *, tokenizer, chat_format):
 class JsonlLines(Sequence):
   """Random access to the non-empty lines of a .jsonl file via a byte-offset index (the file stays on disk)."""
 
-  def __init__(self, path: str, chunk_bytes: int = 1 << 24):
-    self.path = path
+  def __init__(self, path: str):
     starts, ends, offset = [np.zeros(1, np.int64)], [], 0
     with open(path, "rb") as f:
-      while chunk := f.read(chunk_bytes):
+      while chunk := f.read(1 << 24):
         newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")).astype(np.int64) + offset
         ends.append(newlines)
         starts.append(newlines + 1)
@@ -109,7 +108,6 @@ def _facts_source(config_data, split):
 
 def _tfds_source(config_data, split):
   import tensorflow_datasets as tfds
-  from moc_jax.data import facts  # noqa: F401  (registers moc_facts for 'tfds:moc_facts/...')
   name, root = config_data.name.partition(":")[2], data_dir(config_data)
   build = f"`tfds build {name.split('/')[0]} --data_dir={root} --file_format=array_record`"
   try:
@@ -120,7 +118,7 @@ def _tfds_source(config_data, split):
   if not builder.is_prepared():
     raise DataError(f"TFDS dataset {name!r} is not prepared under {root}: run {build} (it downloads; on an "
                     f"offline machine copy a prepared {name.split('/')[0]}/ directory into {root})")
-  if str(builder.info.file_format) not in ("FileFormat.ARRAY_RECORD", "FileFormat.PARQUET"):
+  if builder.info.file_format not in (tfds.core.FileFormat.ARRAY_RECORD, tfds.core.FileFormat.PARQUET):
     raise DataError(f"TFDS dataset {name!r} under {root} is stored as {builder.info.file_format}, which has no "
                     f"random access: re-prepare it with {build}")
   if split not in builder.info.splits:

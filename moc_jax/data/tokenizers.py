@@ -143,8 +143,12 @@ class SPTokenizer(Tokenizer):
     self.eos_id = self._sp.eos_id()
     self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else self.eos_id
     self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
-    lookup = lambda piece: None if self._sp.piece_to_id(piece) == self._sp.unk_id() else self._sp.piece_to_id(piece)
-    self.eot_id = _first_known(lookup, _EOT_NAMES, self.eos_id)
+    self.eot_id = _first_known(self._piece_id, _EOT_NAMES, self.eos_id)
+
+  def _piece_id(self, piece):
+    """The piece's id, or None when SentencePiece maps it to unk (not in the vocabulary)."""
+    piece_id = self._sp.piece_to_id(piece)
+    return None if piece_id == self._sp.unk_id() else piece_id
 
   def encode(self, text):
     return self._sp.encode(text)
