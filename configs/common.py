@@ -106,6 +106,6 @@ def runlocal(c):
   """Same architecture, CPU-sized run (a smoke test of the full model)."""
   c.model.max_seq_len = 64
   c.data.seq_len = 64
-  c.train.update(batch_size=2, grad_accum=1, steps=3, warmup_steps=1, log_every=1, eval_every=3,
-                 eval_batches=1, checkpoint_every=3)
+  c.train.update(batch_size=2, grad_accum=1, steps=3, warmup_steps=1, decay_start_step=None, log_every=1,
+                 eval_every=3, eval_batches=1, num_probes=8, checkpoint_every=3)
   return c

@@ -10,7 +10,9 @@ import common  # noqa: E402  (configs are loaded by path, not as a package)
 
 
 def _262k(c):
-  c.data.seq_len = 1024  # the paper model as trained: 1024-token rows
+  # As trained (MoC-PT run5): one document per 1024-token row, 1024 rows per update, WSD 250 / 8160 / 9600.
+  c.data.update(seq_len=1024, layout="pad_truncate")
+  c.train.update(batch_size=256, grad_accum=4, steps=9600, warmup_steps=250, decay_start_step=8160)
   return c
 
 
@@ -29,6 +31,10 @@ def _tiny(c):
   c.memory.update(num_tokens=65 * 16, num_chapters=65, num_shared=1, top_k=8,
                   num_heads=4, num_kv_heads=4, layer_indices=(1, 3))
   c.data.seq_len = 128
+  # `make run`: the embedded facts corpus, sized so recall is measurable within minutes on 2 CPU cores.
+  c.data.facts.update(num_entities=64, num_docs=8000, num_val_docs=400)
+  c.train.update(batch_size=32, steps=900, warmup_steps=30, decay_start_ratio=0.8, base_lr=3e-3,
+                 memory_lr=3e-3, log_every=25, eval_every=150, eval_batches=8, checkpoint_every=300)
   return c
 
 

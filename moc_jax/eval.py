@@ -30,6 +30,16 @@ def _pad_rows(rows, pad_id, multiple=ROW_MULTIPLE):
   return ids, mask
 
 
+HEAD_DOCS = 10  # a fact is "head" if its entity has at least this many training documents
+
+
+def select_probes(probes, n, seed):
+  """A fixed random sample of probes whose entity occurs in training (unseen facts cannot be recalled)."""
+  seen = [p for p in probes if p["doc_count"] > 0]
+  order = np.random.default_rng(seed).permutation(len(seen))[:n]
+  return [seen[i] for i in sorted(order)]
+
+
 class ProbeEvaluator:
   """Scores a fixed list of probes with the current params (jitted; shapes fixed per run)."""
 
@@ -95,8 +105,14 @@ class ProbeEvaluator:
       for j, i in enumerate(range(s.start, s.stop)):
         a = self.answers[i]
         exact.append(out[j, starts[i]:starts[i] + len(a)].tolist() == a)
-    return {"probe_acc": float(np.mean(choice == self.answer_index)), "probe_exact": float(np.mean(exact)),
-            "probe_chance": 1.0 / self.num_candidates, "num_probes": len(self.probes)}
+    correct = choice == self.answer_index
+    head = np.array([p["doc_count"] >= HEAD_DOCS for p in self.probes])
+    out = {"probe_acc": float(np.mean(correct)), "probe_exact": float(np.mean(exact)),
+           "probe_chance": 1.0 / self.num_candidates, "num_probes": len(self.probes)}
+    for name, sel in (("head", head), ("tail", ~head)):  # frequent vs long-tail entities
+      if sel.any():
+        out[f"probe_acc_{name}"] = float(np.mean(correct[sel]))
+    return out
 
   def _padded(self, s, *arrays):
     """Pads a chunk to `batch_rows` rows (repeating row 0) so every call has one shape."""

@@ -34,15 +34,27 @@ def test_zipf_long_tail():
   assert (counts <= 2).mean() > 0.3  # most entities are rare
 
 
-def test_validation_is_held_out_paraphrases_of_the_same_facts():
+def test_paraphrase_split_is_held_out_wording_of_the_same_facts():
   corpus = generate(MocFactsConfig.for_sizes(tiny_facts()))
-  assert not _sentences(corpus["train"]) & _sentences(corpus["validation"])
+  assert not _sentences(corpus["train"]) & _sentences(corpus["paraphrase"])
   for attr, (_, train_templates, val_template) in ATTRIBUTES.items():
     assert val_template not in train_templates and val_template.endswith("{value}."), attr
   facts = {(p["entity"], p["answer"]) for p in corpus["probes"]}
-  for doc in corpus["validation"]:  # every value stated in validation is the entity's true value
-    stated = [v for values, _, _ in ATTRIBUTES.values() for v in values if f" {v}." in doc["text"] + " "]
-    assert stated and all((doc["entity"], v) in facts for v in stated)
+  for split in ("validation", "paraphrase"):
+    for doc in corpus[split]:  # every value stated in held-out documents is the entity's true value
+      stated = [v for values, _, _ in ATTRIBUTES.values() for v in values if f" {v}." in doc["text"] + " "]
+      assert stated and all((doc["entity"], v) in facts for v in stated)
+
+
+def test_validation_uses_training_wording_in_new_documents():
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts()))
+  train_docs = {d["text"] for d in corpus["train"]}
+  facts = {(p["entity"], p["attribute"]): p["answer"] for p in corpus["probes"]}
+  for doc in corpus["validation"]:
+    allowed = {t.format(name=doc["entity"], value=facts[doc["entity"], a]).rstrip(".")
+               for a, (_, templates, _) in ATTRIBUTES.items() for t in templates}
+    assert {x.rstrip(".") for x in doc["text"].split(". ")} <= allowed, doc["text"]
+  assert sum(d["text"] not in train_docs for d in corpus["validation"]) > 0.5 * len(corpus["validation"])
 
 
 def test_probes(tmp_path):
@@ -64,7 +76,7 @@ def test_builder_is_deterministic_and_cached_per_config(tmp_path):
   facts = tiny_facts()
   a = facts_builder(facts, str(tmp_path / "a"))
   b = facts_builder(facts, str(tmp_path / "b"))
-  for split in ("train", "validation", "probes"):
+  for split in ("train", "validation", "paraphrase", "probes"):
     ra, rb = a.as_data_source(split), b.as_data_source(split)
     assert len(ra) == len(rb) and all(ra[i] == rb[i] for i in range(0, len(ra), 37))
   assert len(a.as_data_source("train")) == 600 and len(a.as_data_source("validation")) == 40

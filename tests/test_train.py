@@ -31,7 +31,7 @@ def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   rows = tu.read_metrics(tmp_path)
   train = [r for r in rows if "split" not in r]
   evals = [r for r in rows if r.get("split") == "validation"]
-  assert [r["step"] for r in train] == [1, 2] and len(evals) == 1
+  assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [0, 2]
   for key in ("loss", "ce", "aux", "lr", "grad_norm", "tokens_per_s", "data_wait_frac"):
     assert math.isfinite(train[-1][key]), key
   assert train[0]["lr"] == 0.0  # λ(0) = 0 on the first update
@@ -41,6 +41,8 @@ def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   for name in ("config.json", "loss.png", "checkpoints", "tensorboard"):
     assert os.path.exists(tmp_path / name), name
   assert json.load(open(tmp_path / "config.json"))["model"]["d_model"] == config.model.d_model
+  again = loop.evaluate_checkpoint(config, str(tmp_path))  # --mode=eval on the saved checkpoint
+  assert again["step"] == 2 and again["ce"] == pytest.approx(evals[-1]["ce"], rel=1e-6)
 
 
 class _Main:
@@ -158,3 +160,22 @@ def test_too_many_nonfinite_updates_stop_the_run(data_dir, tmp_path, monkeypatch
   with pytest.raises(loop.TrainingError, match="3 consecutive non-finite"):
     loop.train_and_evaluate(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints" / "3")
+
+
+def test_init_from_loads_weights_with_fresh_optimizer_and_step(data_dir, tmp_path):
+  """The first update of the new run has lr 0 (λ(0) = 0), so its step-1 params equal the source's weights."""
+  src = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(data_dir))
+  loop.train_and_evaluate(src, str(tmp_path / "src"))
+  dst = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(
+      data_dir, **{"train.steps": 1, "train.checkpoint_every": 1, "train.init_from": str(tmp_path / "src")}))
+  loop.train_and_evaluate(dst, str(tmp_path / "dst"))
+  mesh = loop.make_mesh(dst)
+  _, _, abstract, _, _ = loop.build_state(dst, mesh)
+  from moc_jax.checkpoint import restore_params
+  a, step_a = restore_params(str(tmp_path / "src"), abstract["params"])
+  b, step_b = restore_params(str(tmp_path / "dst"), abstract["params"])
+  assert (step_a, step_b) == (2, 1)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  rows = [r for r in tu.read_metrics(tmp_path / "dst") if "split" not in r]
+  assert [r["step"] for r in rows] == [1] and rows[0]["lr"] == 0.0

@@ -5,8 +5,10 @@ profession, ...). A document states 2-4 facts about one entity, each through a p
 are drawn Zipf(a) across documents, so a few are seen thousands of times and most rarely or never — the long
 tail a memory bank should help with. Splits:
   train       documents rendered with the attribute's training templates;
-  validation  held-out documents about the same facts in a held-out paraphrase (one template per attribute
-              never used in train), so validation loss measures recall of facts rather than of sentences;
+  validation  held-out documents about the same facts, rendered with the training templates (new
+              combinations of facts), so validation loss falls as the facts are learnt;
+  paraphrase  held-out documents in a held-out paraphrase (one template per attribute never used in
+              train): recall of facts through wording the model has never seen;
   probes      per fact a cloze `prompt` ("Talo Venrik was born in") whose continuation is " " + `answer`, with
               `num_candidates` candidates (the answer exactly once + distractors of the same attribute),
               `entity_rank` (1 = most frequent) and `doc_count` (train documents about the entity).
@@ -161,7 +163,7 @@ def _documents(rng, entities, values, picks, templates_for):
 
 
 def generate(cfg: MocFactsConfig) -> dict:
-  """The whole corpus as Python lists (deterministic in cfg): {'train', 'validation', 'probes'} examples."""
+  """The whole corpus as Python lists (deterministic in cfg): {train, validation, paraphrase, probes}."""
   _check(cfg)
   # Python's Random is stable across platforms for str seeds and much faster than numpy for scalar draws.
   rng_names, rng_values, rng_train, rng_val, rng_probes = (
@@ -172,7 +174,9 @@ def generate(cfg: MocFactsConfig) -> dict:
   train_picks = rng_train.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_docs)
   val_picks = rng_val.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_val_docs)
   train = _documents(rng_train, entities, values, train_picks, lambda a: ATTRIBUTES[a][1])
-  val = _documents(rng_val, entities, values, val_picks, lambda a: (ATTRIBUTES[a][2],))
+  val = _documents(rng_val, entities, values, val_picks, lambda a: ATTRIBUTES[a][1])
+  paraphrase = _documents(random.Random(f"moc_facts/{cfg.seed}/paraphrase"), entities, values, val_picks,
+                          lambda a: (ATTRIBUTES[a][2],))
   doc_count = collections.Counter(e for e, _ in train)
 
   def doc_example(e, text):
@@ -193,13 +197,15 @@ def generate(cfg: MocFactsConfig) -> dict:
                        "candidates": candidates})
   return {"train": [doc_example(e, t) for e, t in train],
           "validation": [doc_example(e, t) for e, t in val],
+          "paraphrase": [doc_example(e, t) for e, t in paraphrase],
           "probes": probes}
 
 
 class MocFacts(tfds.core.GeneratorBasedBuilder):
   """TFDS builder for `moc_facts` (no download; ArrayRecord output gives grain random access)."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "validation uses the training templates; held-out wording moved to `paraphrase`."}
   disable_shuffling = True  # records stay in generation order; the pipeline shuffles
 
   @tfds.core.utils.classproperty

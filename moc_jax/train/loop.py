@@ -131,6 +131,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"])
       state["params"] = params
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
+  _log_memory(config, abstract_state)
   writer = MetricsWriter(workdir, t.steps, start, t.progress)
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.P(config.sharding.rules[0][1]))
   train_step = jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
@@ -138,6 +139,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
   evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
   preempt = _Preemption()
   tokens_per_batch = t.batch_size * t.grad_accum * config.data.seq_len
+  if start == 0:  # the untrained baseline anchors the curves
+    writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
   window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
   last = {}
   try:
@@ -172,6 +175,20 @@ def train_and_evaluate(config, workdir: str) -> dict:
   return last
 
 
+def _nbytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _log_memory(config, abstract_state):
+  counts = moc_jax.count_params(config)
+  msg = (f"moc_jax: {counts['total']:,} parameters (bank {counts['bank']:,}); params "
+         f"{_nbytes(abstract_state['params']) / 2**20:.1f} MiB, optimizer state "
+         f"{_nbytes(abstract_state['opt_state']) / 2**20:.1f} MiB")
+  if config.train.freeze_bank:
+    msg += f" (freeze_bank: no Adam state for the bank, {2 * 4 * counts['bank'] / 2**20:.1f} MiB saved)"
+  log.warning(msg)
+
+
 def _log_row(writer, step, state, metrics, window, tokens_per_batch, t):
   metrics = jax.device_get(metrics)
   elapsed = time.time() - window["t0"]
@@ -199,8 +216,8 @@ class Evaluator:
     self.probes = None
     if config.data.name == "moc_facts":
       from moc_jax.data.tokenizers import get_tokenizer
-      from moc_jax.eval import ProbeEvaluator
-      probes = data_lib.load_probes(config.data)[:config.train.num_probes]
+      from moc_jax.eval import ProbeEvaluator, select_probes
+      probes = select_probes(data_lib.load_probes(config.data), config.train.num_probes, config.seed)
       self.probes = ProbeEvaluator(graphdef, probes, get_tokenizer(config.data.tokenizer))
 
   def __call__(self, params) -> dict:
