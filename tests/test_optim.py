@@ -54,8 +54,11 @@ def test_schedules_against_hand_formula(kind):
 def test_decay_start_ratio_and_defaults():
   t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": 0.85}).train
   assert optim.decay_start_step(t) == 850
-  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10}).train
+  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": None}).train
   assert optim.decay_start_step(t) == 10
+  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": 0.5,
+                    "train.decay_start_step": 700}).train
+  assert optim.decay_start_step(t) == 700  # the step wins over the ratio (MoC-PT)
 
 
 def _one_update(config, grads_scale=1.0, steps=2):

@@ -33,6 +33,9 @@ _UNSUPPORTED = {  # (section, field): (value(s) we support, why)
     ("memory", "quantize_memory"): ((False,), "bank quantisation is not implemented"),
     ("memory", "use_lora"): ((False,), "LoRA is adapter-mode only"),
     ("memory", "use_chapters"): ((True,), "un-chaptered banks are not implemented (use 1 shared chapter)"),
+    ("model", "dropout"): ((0, 0.0), "dropout is not implemented (every MoC-PT run used 0)"),
+    ("model", "attention_dropout"): ((0, 0.0), "attention dropout is not implemented"),
+    ("memory", "memory_dropout"): ((None, 0, 0.0), "memory dropout is not implemented"),
 }
 
 

@@ -51,10 +51,17 @@ def make_mesh(config):
                            axis_types=(jax.sharding.AxisType.Auto,) * len(config.sharding.mesh_axes))
 
 
-def param_shardings(abstract_params, mesh, rules):
+def logical_shardings(tree, mesh, rules):
+  """NamedShardings from the logical axis names carried by nnx Variables (Adam moments inherit their
+  parameter's names; counters and other leaves are replicated)."""
   with nnx.logical_axis_rules(rules):
-    specs = nnx.get_partition_spec(abstract_params)
+    specs = nnx.get_partition_spec(tree)
   return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+
+
+def data_sharding(config, mesh):
+  """Batches are split along their first axis over the mesh axis the `batch` logical axis maps to."""
+  return jax.sharding.NamedSharding(mesh, jax.P(dict(config.sharding.rules).get("batch")))
 
 
 def micro_batch_config(config):
@@ -69,12 +76,10 @@ def build_state(config, mesh):
   """(graphdef, tx, abstract state, shardings, init_fn) for this config; nothing allocated yet."""
   abstract = moc_jax.abstract_model(config)
   graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-  p_shard = param_shardings(abstract_params, mesh, config.sharding.rules)
   tx = optim.make_optimizer(config.train, abstract_params)
+  p_shard = logical_shardings(abstract_params, mesh, config.sharding.rules)
+  o_shard = logical_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.sharding.rules)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  o_shard = jax.tree.map(lambda _: replicated, abstract_opt)
-  o_shard = _mirror_param_shardings(tx, abstract_opt, p_shard, o_shard)
   scalars = {k: replicated for k in ("step", "nonfinite", "skipped", "rng")}
   shardings = {"params": p_shard, "opt_state": o_shard, **scalars}
 
@@ -89,21 +94,6 @@ def build_state(config, mesh):
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, shardings)
   return graphdef, tx, abstract_state, shardings, init_fn
-
-
-def _mirror_param_shardings(tx, abstract_opt, p_shard, default):
-  """Adam moments shard like their parameters; counters stay replicated."""
-  import optax
-  try:
-    return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_shard,
-                                 transform_non_params=lambda x: default_leaf(default, x),
-                                 is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-  except Exception:  # a transform optax cannot map: keep everything replicated
-    return default
-
-
-def default_leaf(default, x):
-  return jax.tree.leaves(default)[0] if hasattr(x, "shape") else x
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -133,7 +123,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
   _log_memory(config, abstract_state)
   writer = MetricsWriter(workdir, t.steps, start, t.progress)
-  batch_sharding = jax.sharding.NamedSharding(mesh, jax.P(config.sharding.rules[0][1]))
+  batch_sharding = data_sharding(config, mesh)
   train_step = jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
                        out_shardings=(shardings, None), donate_argnums=0)
   evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
@@ -142,7 +132,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if start == 0:  # the untrained baseline anchors the curves
     writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
   window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
-  last = {}
+  last, pending = {}, None
   try:
     for step in range(start + 1, t.steps + 1):
       t_wait = time.time()
@@ -152,9 +142,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
       batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in host_batch.items()}
       state, metrics = train_step(state, batch)
       window["steps"] += 1
-      if int(state["nonfinite"]) >= t.max_nonfinite:
-        raise TrainingError(f"{t.max_nonfinite} consecutive non-finite updates at step {step} (all skipped, "
-                            "nothing saved after them); lower train.base_lr/memory_lr or check the data")
+      if pending is not None:  # read the previous step's counter: no host sync on the step just dispatched
+        _check_nonfinite(*pending, t.max_nonfinite)
+      pending = (step, metrics["nonfinite"])
       if step % t.log_every == 0 or step == t.steps:
         last = _log_row(writer, step, state, metrics, window, tokens_per_batch, t)
       if step % t.eval_every == 0 or step == t.steps:
@@ -168,11 +158,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
         checkpointer.wait()
         log.warning("moc_jax: SIGTERM — checkpoint saved at step %d; re-run the same command to resume", step)
         break
+    if pending is not None:
+      _check_nonfinite(*pending, t.max_nonfinite)
   finally:
     preempt.restore()
     checkpointer.close()
     writer.close()
   return last
+
+
+def _check_nonfinite(step, consecutive, limit):
+  if int(consecutive) >= limit:
+    raise TrainingError(f"{limit} consecutive non-finite updates at step {step} (all skipped, nothing saved "
+                        "after them); lower train.base_lr/memory_lr or check the data")
 
 
 def _nbytes(tree):
@@ -201,7 +199,7 @@ def _log_row(writer, step, state, metrics, window, tokens_per_batch, t):
   if "router_entropy" in metrics:
     row["router_entropy"] = metrics["router_entropy"]
   writer.write(row)
-  window.update(t0=time.time(), wait=0.0, steps=0)
+  window.update(t0=time.time(), wait=0.0, steps=0, malformed=0)
   return row
 
 
@@ -238,6 +236,6 @@ def evaluate_checkpoint(config, workdir: str) -> dict:
   mesh = make_mesh(config)
   graphdef, _, abstract_state, shardings, _ = build_state(config, mesh)
   params, step = ckpt_lib.restore_params(workdir, abstract_state["params"])
-  batch_sharding = jax.sharding.NamedSharding(mesh, jax.P(config.sharding.rules[0][1]))
+  batch_sharding = data_sharding(config, mesh)
   return {"step": step, "split": "validation",
           **Evaluator(config, graphdef, shardings["params"], batch_sharding)(params)}

@@ -51,7 +51,7 @@ def make_train_step(graphdef, tx, config):
     nonfinite = jnp.where(ok, 0, state["nonfinite"] + 1)
     new_state = {**state, **new, "step": state["step"] + 1, "nonfinite": nonfinite,
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}
-    metrics = {"loss": loss, "grad_norm": grad_norm, **stats}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, **stats}
     return new_state, metrics
 
   return train_step
