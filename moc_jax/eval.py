@@ -44,7 +44,7 @@ class ProbeEvaluator:
   """Scores a fixed list of probes with the current params (jitted; shapes fixed per run)."""
 
   def __init__(self, graphdef, probes, tokenizer, batch_rows: int = 64):
-    self.graphdef, self.tok, self.batch_rows = graphdef, tokenizer, batch_rows
+    self.graphdef, self.tok = graphdef, tokenizer
     self.probes = probes
     self.num_candidates = len(probes[0]["candidates"])
     rows, labels = [], []
@@ -67,6 +67,7 @@ class ProbeEvaluator:
     for i, p in enumerate(self.prompts):
       self.gen_mask[i, :len(p)] = 1
     self.num_new = max(len(a) for a in self.answers)
+    self.score_rows, self.gen_rows = min(batch_rows, len(self.ids)), min(batch_rows, len(probes))
 
     @jax.jit
     def score(params, ids, mask, labels):
@@ -94,13 +95,14 @@ class ProbeEvaluator:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
   def __call__(self, params) -> dict:
-    scores = np.concatenate([np.asarray(self._score(params, *self._padded(s, self.ids, self.mask, self.labels)))
-                             [:s.stop - s.start] for s in self._chunks(len(self.ids), self.batch_rows)])
+    scores = np.concatenate([
+        np.asarray(self._score(params, *self._padded(s, self.score_rows, self.ids, self.mask, self.labels)))
+        [:s.stop - s.start] for s in self._chunks(len(self.ids), self.score_rows)])
     choice = scores.reshape(len(self.probes), self.num_candidates).argmax(-1)
     starts = np.array([len(p) for p in self.prompts], np.int32)
     exact = []
-    for s in self._chunks(len(self.probes), self.batch_rows):
-      ids, mask, st = self._padded(s, self.gen_ids, self.gen_mask, starts)
+    for s in self._chunks(len(self.probes), self.gen_rows):
+      ids, mask, st = self._padded(s, self.gen_rows, self.gen_ids, self.gen_mask, starts)
       out = np.asarray(self._greedy(params, ids, mask, st, self.num_new))
       for j, i in enumerate(range(s.start, s.stop)):
         a = self.answers[i]
@@ -114,11 +116,11 @@ class ProbeEvaluator:
         out[f"probe_acc_{name}"] = float(np.mean(correct[sel]))
     return out
 
-  def _padded(self, s, *arrays):
-    """Pads a chunk to `batch_rows` rows (repeating row 0) so every call has one shape."""
+  def _padded(self, s, rows, *arrays):
+    """Pads a chunk to `rows` rows (repeating its first row) so every call has one shape."""
     out = []
     for a in arrays:
       chunk = a[s]
-      extra = self.batch_rows - len(chunk)
+      extra = rows - len(chunk)
       out.append(np.concatenate([chunk, np.repeat(chunk[:1], extra, axis=0)]) if extra else chunk)
     return out

@@ -32,7 +32,7 @@ def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   train = [r for r in rows if "split" not in r]
   evals = [r for r in rows if r.get("split") == "validation"]
   assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in evals] == [0, 2]
-  for key in ("loss", "ce", "aux", "lr", "grad_norm", "tokens_per_s", "data_wait_frac"):
+  for key in ("loss", "ce", "aux", "lr", "grad_norm", "tokens_per_s", "data_wait_frac", "mfu"):
     assert math.isfinite(train[-1][key]), key
   assert train[0]["lr"] == 0.0  # λ(0) = 0 on the first update
   assert (train[-1]["aux"] > 0) == spec.startswith("configs/moc.py")

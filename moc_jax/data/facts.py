@@ -18,9 +18,11 @@ Everything is a pure function of the config (sizes + seed), and each config is c
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import fcntl
 import itertools
+import logging
 import os
 import random
 
@@ -234,17 +236,30 @@ class MocFacts(tfds.core.GeneratorBasedBuilder):
     yield from enumerate(examples)
 
 
+@contextlib.contextmanager
+def _quiet_tfds():
+  """TFDS warns on every builder made from a config object ("Using custom data configuration"); mute it."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def facts_builder(facts, data_dir: str) -> MocFacts:
   """The prepared builder for `config.data.facts` (generated on first use; a file lock serialises processes)."""
   cfg = MocFactsConfig.for_sizes(facts)
   _check(cfg)
-  builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
-  if not builder.is_prepared():
-    lock_dir = os.path.join(data_dir, "moc_facts")
-    os.makedirs(lock_dir, exist_ok=True)
-    with open(os.path.join(lock_dir, f".{cfg.name}.lock"), "w") as lock:
-      fcntl.flock(lock, fcntl.LOCK_EX)
-      builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
-      if not builder.is_prepared():
-        builder.download_and_prepare()
+  with _quiet_tfds():
+    builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+      lock_dir = os.path.join(data_dir, "moc_facts")
+      os.makedirs(lock_dir, exist_ok=True)
+      with open(os.path.join(lock_dir, f".{cfg.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
+        if not builder.is_prepared():
+          builder.download_and_prepare()
   return builder

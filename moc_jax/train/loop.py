@@ -96,6 +96,12 @@ def build_state(config, mesh):
   return graphdef, tx, abstract_state, shardings, init_fn
 
 
+def jit_train_step(graphdef, tx, config, shardings, batch_sharding):
+  """The one jitted train step: explicit state/batch shardings, the state donated."""
+  return jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
+                 out_shardings=(shardings, None), donate_argnums=0)
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming if it holds checkpoints); returns the last metrics."""
   os.makedirs(workdir, exist_ok=True)
@@ -122,13 +128,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
       state["params"] = params
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
   _log_memory(config, abstract_state)
+  throughput = Throughput(config)
   writer = MetricsWriter(workdir, t.steps, start, t.progress)
   batch_sharding = data_sharding(config, mesh)
-  train_step = jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
-                       out_shardings=(shardings, None), donate_argnums=0)
+  train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding)
   evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
   preempt = _Preemption()
-  tokens_per_batch = t.batch_size * t.grad_accum * config.data.seq_len
   if start == 0:  # the untrained baseline anchors the curves
     writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
   window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
@@ -146,7 +151,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
         _check_nonfinite(*pending, t.max_nonfinite)
       pending = (step, metrics["nonfinite"])
       if step % t.log_every == 0 or step == t.steps:
-        last = _log_row(writer, step, state, metrics, window, tokens_per_batch, t)
+        last = _log_row(writer, step, state, metrics, window, throughput, t)
       if step % t.eval_every == 0 or step == t.steps:
         writer.write({"step": step, "split": "validation", **evaluator(state["params"])})
         writer.plot()
@@ -187,13 +192,36 @@ def _log_memory(config, abstract_state):
   log.warning(msg)
 
 
-def _log_row(writer, step, state, metrics, window, tokens_per_batch, t):
+class Throughput:
+  """Tokens/s and MFU: model FLOPs from the analytic estimator (memory counted only as read, no
+  recompute) over time x devices x the device's peak for the compute dtype (measured once on CPU)."""
+
+  def __init__(self, config):
+    from moc_jax import flops
+    from moc_jax.bench.peaks import device_peak_flops
+    self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len
+    self.flops_per_step = flops.model_flops_per_token(config) * self.tokens_per_step
+    self.devices = jax.device_count()
+    self.peak, source = device_peak_flops(config.model.compute_dtype)
+    log.warning("moc_jax: %.3g model FLOPs per step; peak %s FLOP/s per device (%s)", self.flops_per_step,
+                f"{self.peak:.3g}" if self.peak else "unknown", source)
+
+  def row(self, steps, seconds) -> dict:
+    seconds = max(seconds, 1e-9)
+    per_device = self.flops_per_step * steps / seconds / self.devices
+    out = {"tokens_per_s": self.tokens_per_step * steps / seconds, "model_tflops_per_device": per_device / 1e12}
+    if self.peak:
+      out["mfu"] = per_device / self.peak
+    return out
+
+
+def _log_row(writer, step, state, metrics, window, throughput, t):
   metrics = jax.device_get(metrics)
   elapsed = time.time() - window["t0"]
   lrs = optim.current_lrs(t, step - 1 - int(state["skipped"]))
   row = {"step": step, "loss": metrics["loss"], "ce": metrics["ce"], "aux": metrics["aux"],
          "lr": lrs["base"], "lr_memory": lrs["memory"], "lr_bank": lrs["bank"], "grad_norm": metrics["grad_norm"],
-         "tokens_per_s": tokens_per_batch * window["steps"] / max(elapsed, 1e-9),
+         **throughput.row(window["steps"], elapsed),
          "data_wait_frac": window["wait"] / max(elapsed, 1e-9), "skipped_nonfinite": int(state["skipped"]),
          "malformed_records": window["malformed"]}
   if "router_entropy" in metrics:

@@ -58,6 +58,7 @@ class MetricsWriter:
       eta = (time.time() - self.t0) / max(done, 1) * (self.total - row["step"])
       print(f"step {row['step']}/{self.total} loss={row['loss']:.4f} ce={row['ce']:.4f} aux={row['aux']:.4f} "
             f"lr={row['lr']:.3g} gnorm={row['grad_norm']:.3f} tok/s={row['tokens_per_s']:.0f} "
+            f"mfu={row.get('mfu', float('nan')):.1%} "
             f"data_wait={row['data_wait_frac']:.3f} eta={eta:.0f}s", flush=True)
 
   def plot(self) -> None:

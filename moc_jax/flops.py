@@ -1,0 +1,303 @@
+"""Analytic FLOPs of a config, counted exactly as MoC-PT's `scripts/estimate_flops.py` (reference_spec.md §5.2).
+
+The paper's compute claims (459,171,802,488 forward FLOPs per 1024-token sequence, the "iso-FLOP"
+vanilla baseline) are statements about that estimator, so this one reproduces it to the unit (§5.3)
+instead of counting our own XLA ops. Every count is an exact integer. With sequence routing the memory
+terms cover only the tokens actually read, (num_shared + top_k) chapters per sequence, never the bank.
+
+Rules §5.2 leaves open, fixed by the §5.3 numbers:
+* top-k costs B·C·max(1, ceil(log2 k)) with k = routed top-k (4097·6 = 24,582 for k = 64);
+* every router statistic is counted whatever its loss coefficient: §5.3 counts the MSE aux term
+  (12,291; off in the paper run) and the entropy (16,388; only ever logged);
+* the LB and MSE aux terms reduce over chapters only, so they do not grow with the batch: FLOPs are
+  linear in B except for those 2C + 3C per memory layer;
+* cross-entropy runs over L−1 positions: 5·1023·49,152 = 251,412,480 (L would give 251,658,240);
+* the 7 element-wise FLOPs per score (softmax 5 + mask/scale 2) apply to memory attention too, and
+  its QKᵀ+AV width is d_model whatever memory.num_kv_heads / memory.dim: 4·1024·4160·768 =
+  13,086,228,480, the value §5.3's memory-attention total 25,674,645,504 implies (the sub-part §5.3
+  prints, 13,086,351,360, is 122,880 off and does not add up to that total).
+
+`python -m moc_jax.flops --config=configs/moc.py:262k [--batch=B] [--seq_len=L] [--json] [--config.x=y]`
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from moc_jax.config import bank_ids, memory_layers
+
+SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
+MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
+SWIGLU = 5      # per hidden element: SiLU 4 + the gate product 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+  """The result of one counting rule; `matmul` selects MoC-PT's matmul or element-wise column."""
+  count: int
+  matmul: bool = False
+
+
+# ---- counting rules (§5.2), one function each ----
+
+def linear(n, d_in, d_out):
+  return Flops(2 * n * d_in * d_out, matmul=True)
+
+
+def attention_matmuls(b, lq, lk, width):
+  """QKᵀ plus AV; `width` is the full query width (d_model), not the KV width."""
+  return Flops(4 * b * lq * lk * width, matmul=True)
+
+
+def score_elementwise(b, heads, lq, lk):
+  return Flops((SOFTMAX + MASK_SCALE) * b * heads * lq * lk)
+
+
+def softmax(n):
+  """Softmax (or CE) over `n` elements."""
+  return Flops(SOFTMAX * n)
+
+
+def rms_norm(n, d):
+  return Flops(n * (4 * d + 4))
+
+
+def layer_norm(n, d):
+  return Flops(n * (8 * d + 8))
+
+
+def rope(tokens, q_dim, k_dim):
+  return Flops(3 * tokens * (q_dim + k_dim))
+
+
+def swiglu(tokens, mlp_dim):
+  return Flops(SWIGLU * tokens * mlp_dim)
+
+
+def per_element(n, d):
+  """One FLOP per element of n vectors of size d: residual adds, chapter weighting."""
+  return Flops(n * d)
+
+
+def mean_pool(b, l, d):
+  """Sequence routing's mean over L positions: L−1 adds and one divide per feature."""
+  return Flops(b * d * (l - 1) + b * d)
+
+
+def top_k(b, c, k):
+  return Flops(b * c * max(1, (k - 1).bit_length()))  # bit_length(k−1) = ceil(log2 k) for k >= 1
+
+
+def router_aux(s, c, k):
+  """Router statistics over s samples (sequences) and C chapters, every term counted (see above)."""
+  return {
+      "f": Flops(s * c * (k - 1) + c * (s - 1) + c),
+      "P": Flops(c * (s - 1) + c),
+      "load_balance": Flops(c + (c - 1) + 1),
+      "p_squared": Flops(s * c + c * (s - 1) + c),
+      "mse": Flops(2 * c + (c - 1) + 1),
+      "z": Flops(SOFTMAX * s * c + s + (s - 1) + 1),
+      "entropy": Flops(4 * s * c),
+  }
+
+
+_TOKEN_NORMS = {"rms": rms_norm, "layernorm": layer_norm}
+
+
+# ---- components ----
+
+def _attention(b, lq, lk, d, heads, kv_dim, kv_in):
+  """Q/O projections on the queries, K/V projections (from `kv_in` features) on the keys, scores."""
+  return {"q": linear(b * lq, d, d), "k": linear(b * lk, kv_in, kv_dim), "v": linear(b * lk, kv_in, kv_dim),
+          "o": linear(b * lq, d, d), "scores": attention_matmuls(b, lq, lk, d),
+          "softmax": score_elementwise(b, heads, lq, lk)}
+
+
+def _mlp(tokens, d, mlp_dim):
+  return {"gate": linear(tokens, d, mlp_dim), "up": linear(tokens, d, mlp_dim),
+          "down": linear(tokens, mlp_dim, d), "activation": swiglu(tokens, mlp_dim)}
+
+
+def _standard_layer(m, b, l):
+  t, d = b * l, m.d_model
+  kv = m.num_kv_heads * (d // m.num_heads)
+  return {"self_attention": _attention(b, l, l, d, m.num_heads, kv, d), "rope": rope(t, d, kv),
+          "norms": {"attention": rms_norm(t, d), "mlp": rms_norm(t, d)}, "mlp": _mlp(t, d, m.mlp_dim),
+          "residuals": {"attention": per_element(t, d), "mlp": per_element(t, d)}}
+
+
+def selected_tokens(c) -> int:
+  """Memory tokens each sequence reads: its shared plus routed chapters."""
+  mem = c.memory
+  return (mem.num_shared + mem.top_k) * (mem.num_tokens // mem.num_chapters)
+
+
+def _memory_extra(c, b, l):
+  """What a memory layer adds to a standard one: router, aux, preprocessing, memory attention,
+  its norm and residual; variant B also a norm, a second MLP and a residual."""
+  m, mem = c.model, c.memory
+  t, d, chapters = b * l, m.d_model, mem.num_chapters
+  d_mem = mem.dim or d
+  n = b * selected_tokens(c)
+  normed = mem.token_norm != "none" and mem.num_shared > 0 and mem.top_k > 0  # MoC-PT skips it otherwise
+  extra = {
+      "router": {"pool": mean_pool(b, l, d), "linear": linear(b, d, chapters), "softmax": softmax(b * chapters),
+                 "top_k": top_k(b, chapters, mem.top_k)},
+      "router_aux": router_aux(b, chapters, mem.top_k),
+      "preprocessing": {"weighting": per_element(n, d_mem),
+                        "token_norm": _TOKEN_NORMS[mem.token_norm](n, d_mem) if normed else Flops(0)},
+      "attention": _attention(b, l, selected_tokens(c), d, mem.num_heads,
+                              mem.num_kv_heads * (d // mem.num_heads), d_mem),
+      "norm": rms_norm(t, d),
+      "residual": per_element(t, d),
+  }
+  if mem.block_variant == "B":
+    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim),
+                 post_memory_residual=per_element(t, d))
+  return extra
+
+
+def _head(m, b, l):
+  t = b * l
+  return {"final_norm": rms_norm(t, m.d_model), "lm_head": linear(t, m.d_model, m.vocab_size),
+          "cross_entropy": softmax(b * (l - 1) * m.vocab_size)}
+
+
+def _sum(tree, matmul=None) -> int:
+  """Total FLOPs of a component tree; only one column if `matmul` is given."""
+  return sum(_sum(v, matmul) if isinstance(v, dict) else (v.count if matmul in (None, v.matmul) else 0)
+             for v in tree.values())
+
+
+def _render(tree) -> dict:
+  return {"total": _sum(tree), **{k: _render(v) if isinstance(v, dict) else v.count for k, v in tree.items()}}
+
+
+# ---- public API ----
+
+def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world_size=1, accum=None,
+             steps=None) -> dict:
+  """FLOPs of `batch` sequences of `seq_len` (default data.seq_len) tokens on one device, MoC-PT's rules.
+
+  recompute: full per-layer activation checkpointing re-runs every layer's forward (the head excluded).
+  flash=False: MoC-PT without flash-attn checkpoints memory attention itself, re-running its forward
+    up to W_o (memory_gradient_checkpointing, on in every MoC-PT config); the paper assumes flash.
+  A step is accum (default train.grad_accum) micro-steps on each of world_size devices; a run is
+  steps (default train.steps) steps. Optimizer FLOPs and communication are excluded.
+  Returns per-component trees (each node with its "total") and the totals.
+  """
+  l = config.data.seq_len if seq_len is None else seq_len
+  accum = config.train.grad_accum if accum is None else accum
+  steps = config.train.steps if steps is None else steps
+  mem_layers = memory_layers(config)
+  n_mem, n_std = len(mem_layers), config.model.num_layers - len(mem_layers)
+  std = _standard_layer(config.model, batch, l)
+  mem_layer = {"backbone": std, "memory": _memory_extra(config, batch, l)} if n_mem else {}
+  head = _head(config.model, batch, l)
+
+  def weighted(matmul=None):
+    return n_std * _sum(std, matmul) + n_mem * _sum(mem_layer, matmul)
+
+  layers = weighted()
+  forward = layers + _sum(head)
+  matmul = weighted(True) + _sum(head, True)
+  recompute_layers = layers if recompute else 0
+  recompute_memory = 0
+  if n_mem and not flash:  # memory attention up to W_o, once more per memory layer
+    attention = mem_layer["memory"]["attention"]
+    recompute_memory = n_mem * (_sum(attention) - attention["o"].count)
+  micro = 3 * forward + recompute_layers + recompute_memory
+  return {
+      "batch": batch, "seq_len": l,
+      "layers": {"standard": n_std, "memory": list(mem_layers), "banks": len(set(bank_ids(config)))},
+      "selected_memory_tokens": selected_tokens(config) if n_mem else 0,
+      "standard_layer": _render(std),
+      "memory_layer": _render(mem_layer) if n_mem else None,
+      "head": _render(head),
+      "forward": {"total": forward, "matmul": matmul, "elementwise": forward - matmul, "layers": layers,
+                  "head": _sum(head)},
+      "backward": 2 * forward,
+      "recompute": {"total": recompute_layers + recompute_memory, "layers": recompute_layers,
+                    "memory_attention": recompute_memory},
+      "train": {"micro_step": micro, "step": micro * accum * world_size, "run": micro * accum * world_size * steps,
+                "accum": accum, "world_size": world_size, "steps": steps},
+  }
+
+
+def model_flops_per_token(config, seq_len=None) -> float:
+  """Training FLOPs per token for MFU: forward + backward of one sequence, no recompute, over its length.
+
+  Memory counts only the chapters read, so MFU reflects the work the model needs, not the bank size.
+  """
+  e = estimate(config, 1, seq_len, recompute=False)
+  return e["train"]["micro_step"] / e["seq_len"]
+
+
+def _table(e, config, per_token) -> str:
+  rows = []
+
+  def walk(name, node, depth):
+    if not isinstance(node, dict):
+      rows.append((depth, name, node))
+      return
+    rows.append((depth, name, node["total"]))
+    for k, v in node.items():
+      if k == "backbone":  # a memory layer's standard part, itemised above
+        rows.append((depth + 1, "backbone (= standard layer)", v["total"]))
+      elif k != "total":
+        walk(k, v, depth + 1)
+
+  lay = e["layers"]
+  walk(f"standard layer (x{lay['standard']})", e["standard_layer"], 0)
+  if lay["memory"]:
+    walk(f"memory layer (x{len(lay['memory'])}: layers {lay['memory']})", e["memory_layer"], 0)
+  walk("head", e["head"], 0)
+  f, r, t = e["forward"], e["recompute"], e["train"]
+  rows += [(0, "forward", f["total"]), (1, "matmul", f["matmul"]), (1, "element-wise", f["elementwise"]),
+           (0, "backward (2 x forward)", e["backward"]), (0, "recompute", r["total"]),
+           (1, "layers", r["layers"]), (1, "memory attention (no flash)", r["memory_attention"]),
+           (0, "train / micro-step", t["micro_step"]),
+           (0, f"train / step (x{t['accum']} accum, x{t['world_size']} devices)", t["step"]),
+           (0, f"train / run (x{t['steps']} steps)", t["run"])]
+  lines = [f"{config.name}: batch {e['batch']} x {e['seq_len']} tokens; {lay['banks']} bank(s); "
+           f"{e['selected_memory_tokens']:,} memory tokens read per sequence"]
+  lines += [f"{'  ' * d + n:<48}{v:>28,}" for d, n, v in rows]
+  lines.append(f"{'model FLOPs per token (fwd + bwd, for MFU)':<48}{per_token:>28,.1f}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  from absl import app, flags
+  from absl import logging as absl_logging
+  from moc_jax.config import ConfigError, validate
+  absl_logging.set_verbosity(absl_logging.WARNING)  # JAX backend probing chatter off the console
+  f = flags.FLAGS
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if f.config is None:
+    raise app.UsageError("--config=PATH.py:ARG is required, e.g. configs/moc.py:262k")
+  try:
+    validate(f.config)
+  except ConfigError as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+  e = estimate(f.config, f.config.train.batch_size if f.batch is None else f.batch, f.seq_len,
+               recompute=f.recompute, flash=f.flash, world_size=f.world_size, accum=f.accum, steps=f.steps)
+  print(json.dumps(e) if f.json else _table(e, f.config, model_flops_per_token(f.config, e["seq_len"])))
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/moc.py:262k.",
+                                  lock_config=True)
+  flags.DEFINE_integer("batch", None, "Sequences per micro-step (default train.batch_size; 1 = §5.3's table).")
+  flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default data.seq_len).")
+  flags.DEFINE_bool("recompute", True, "Count per-layer activation checkpointing.")
+  flags.DEFINE_bool("flash", True, "Assume flash attention (False adds memory-attention recompute).")
+  flags.DEFINE_integer("world_size", 1, "Devices per step (train.batch_size is already global).")
+  flags.DEFINE_integer("accum", None, "Micro-steps per step (default train.grad_accum).")
+  flags.DEFINE_integer("steps", None, "Steps per run (default train.steps).")
+  flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+  app.run(main)
