@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
 import numpy as np
 from flax import nnx
 

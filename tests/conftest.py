@@ -3,6 +3,8 @@
 Model-level tests pass every input (ids, key mask, parameters) as a jit argument, so changing the
 parameters or the padding reuses the same compiled program.
 """
+import io
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -37,3 +39,33 @@ def vanilla_tiny():
 @pytest.fixture(scope="session")
 def moc_tiny():
   return Compiled("configs/moc.py:tiny", seed=1)
+
+
+# Tokenizers trained offline on a tiny corpus (data tests use them; nothing is downloaded).
+TOKENIZER_CORPUS = [f"Héllo world, this is tiny corpus número {i} about cats, dogs and <|im_end|> tokens." for i in range(200)]
+
+
+@pytest.fixture(scope="session")
+def hf_path(tmp_path_factory):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+  path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)
+
+
+@pytest.fixture(scope="session")
+def sp_path(tmp_path_factory):
+  import sentencepiece
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(TOKENIZER_CORPUS), model_writer=model, vocab_size=60, user_defined_symbols=["<|im_end|>"],
+      unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+  path = tmp_path_factory.mktemp("sp") / "tiny.model"
+  path.write_bytes(model.getvalue())
+  return str(path)

@@ -7,7 +7,6 @@ import pytest
 from moc_jax.data import DataError, default_data_config, make_eval_batches, make_train_iterator
 from moc_jax.data.chat import chat_example
 from moc_jax.data.tokenizers import get_tokenizer
-from tests.test_data_tokenizers import hf_path  # noqa: F401  (fixture)
 
 BYTE = get_tokenizer("byte")
 ROW = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo é"},
@@ -53,7 +52,7 @@ def test_malformed_rows_are_none(row):
   assert chat_example(row, BYTE, "plain") is None
 
 
-def test_chatml_with_hf_special_tokens(hf_path):  # noqa: F811
+def test_chatml_with_hf_special_tokens(hf_path):
   tok = get_tokenizer(f"hf:{hf_path}")
   ids, labels = chat_example(ROW, tok, "chatml")
   start = tok.encode("<|im_start|>")

@@ -8,7 +8,6 @@ from moc_jax.data import DataError, default_data_config, make_eval_batches, make
 from moc_jax.data.prepare import main, prepare
 from moc_jax.data.sources import read_manifest
 from moc_jax.data.tokenizers import get_tokenizer
-from tests.test_data_tokenizers import hf_path  # noqa: F401  (fixture)
 
 BYTE = get_tokenizer("byte")
 TXT_DOCS = ["First paragraph,\nstill the first.", "Second one.", "Third, after two blank lines."]
@@ -75,7 +74,7 @@ def test_train_split_feeds_the_train_iterator(inputs, tmp_path):
   assert any(f"|{doc}|" in stream for doc in PARQUET_DOCS)
 
 
-def test_tokenizer_mismatch_and_missing_split(inputs, tmp_path, hf_path):  # noqa: F811
+def test_tokenizer_mismatch_and_missing_split(inputs, tmp_path, hf_path):
   out = tmp_path / "ar"
   prepare([str(inputs / "b.jsonl")], str(out), "byte")
   with pytest.raises(DataError) as e:
@@ -87,7 +86,7 @@ def test_tokenizer_mismatch_and_missing_split(inputs, tmp_path, hf_path):  # noq
     prepare([str(inputs / "b.jsonl")], str(out), f"hf:{hf_path}", split="validation")
 
 
-def test_hf_tokenizer_records_round_trip(inputs, tmp_path, hf_path):  # noqa: F811
+def test_hf_tokenizer_records_round_trip(inputs, tmp_path, hf_path):
   tok = get_tokenizer(f"hf:{hf_path}")
   prepare([str(inputs / "c.parquet")], str(tmp_path / "ar"), f"hf:{hf_path}", split="validation")
   batches = list(make_eval_batches(_config(tmp_path / "ar", tokenizer=f"hf:{hf_path}")))

@@ -1,39 +1,8 @@
 """Tokenizers: byte-level ids and round trip; HF and SentencePiece tokenizers trained offline here."""
-import io
-
 import pytest
 
 from moc_jax.data import DataError
 from moc_jax.data.tokenizers import _char_offsets_from_bytes, get_tokenizer
-
-CORPUS = [f"Héllo world, this is tiny corpus número {i} about cats, dogs and <|im_end|> tokens." for i in range(200)]
-
-
-@pytest.fixture(scope="module")
-def hf_path(tmp_path_factory):
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tok.train_from_iterator(CORPUS, trainer)
-  path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
-  tok.save(str(path))
-  return str(path)
-
-
-@pytest.fixture(scope="module")
-def sp_path(tmp_path_factory):
-  import sentencepiece
-  model = io.BytesIO()
-  sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=60, user_defined_symbols=["<|im_end|>"],
-      unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
-  path = tmp_path_factory.mktemp("sp") / "tiny.model"
-  path.write_bytes(model.getvalue())
-  return str(path)
-
 
 def test_byte_ids_and_round_trip():
   tok = get_tokenizer("byte")

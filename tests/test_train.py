@@ -118,7 +118,6 @@ def test_nonfinite_updates_are_skipped_counted_and_never_saved(data_dir, tmp_pat
   """Poison the loss on a data-dependent subset of steps; those updates must leave the state as it was."""
   from moc_jax.train import step as step_lib
   real = step_lib.lm_loss
-  poisoned_steps = []
 
   def poisoned(model, batch, *, train):
     loss, aux = real(model, batch, train=train)

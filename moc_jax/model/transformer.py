@@ -7,7 +7,6 @@ code with no memory layer.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,6 @@ same losses as one that never stopped (same config and seed, CPU).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
