@@ -91,11 +91,15 @@ def base_config():
   t.init_from = config_dict.placeholder(str)     # weights-only start from another workdir
   t.progress = "auto"            # auto | bar | log
 
-  sh = c.sharding = config_dict.ConfigDict()
-  sh.mesh_axes = ("data",)
-  # logical axis -> mesh axis (None = replicated); the only place model axes meet mesh axes.
-  sh.rules = (("batch", "data"), ("layers", None), ("vocab", None), ("embed", None), ("heads", None),
-              ("kv", None), ("mlp", None), ("banks", None), ("chapters", None), ("chapter_tokens", None))
+  # Device mesh (see moc_jax/sharding.py): axis sizes, -1 = the remaining devices.
+  c.mesh = config_dict.ConfigDict(dict(data=-1, memory=1, fsdp=1, tensor=1))
+  # logical axis -> mesh axis / axes / None (replicated): the only place model axes meet mesh axes.
+  # The memory axis is a batch axis outside the memory read (as experts are in MoE expert parallelism).
+  c.logical_axis_rules = (
+      ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
+      ("embed", "fsdp"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
+      ("chapters", "memory"), ("chapter_tokens", None), ("chapter_logits", None))
+  c.num_fake_devices = 0         # > 0: that many CPU devices (compile reports, mesh tests on one host)
 
   from moc_jax.data import default_data_config
   c.data = default_data_config()

@@ -53,6 +53,9 @@ def count_params(config) -> dict:
   key = {"base": "backbone", "bank": "bank", "memory": "memory_layers"}
   state = nnx.state(abstract_model(config), nnx.Param)
   for path, leaf in nnx.to_flat_state(state):
-    counts[key[param_groups(path)]] += int(np.prod(leaf.shape))
+    n = int(np.prod(leaf.shape))
+    if key[param_groups(path)] == "bank":  # chapters padded for sharding are not parameters
+      n = n // leaf.shape[1] * config.memory.num_chapters
+    counts[key[param_groups(path)]] += n
   counts["total"] = sum(counts.values())
   return counts

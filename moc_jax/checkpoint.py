@@ -12,6 +12,8 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from moc_jax import sharding
+
 ITEMS = ("params", "opt_state", "step", "data_iter", "rng")
 
 
@@ -26,8 +28,13 @@ def checkpoint_dir(workdir_or_dir: str) -> str:
 
 
 class Checkpointer:
-  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+  """Saves and restores a run's state. With `padding` (chapters padded for sharding), the saved
+  params and optimizer state are the user view — exactly num_chapters chapters — so a checkpoint
+  restores onto any mesh."""
+
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, padding=None):
     self.directory = os.path.abspath(directory)
+    self.padding = padding
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=ITEMS,
         item_handlers={"data_iter": grain.checkpoint.CheckpointHandler()},
@@ -39,7 +46,8 @@ class Checkpointer:
 
   def save(self, step: int, state: dict, data_iter) -> None:
     """`state` holds params, opt_state, rng and the counters step / skipped (saved as the `step` item)."""
-    items = {"params": state["params"], "opt_state": state["opt_state"], "rng": {"key": state["rng"]},
+    view = _user_view(state, self.padding)
+    items = {"params": view["params"], "opt_state": view["opt_state"], "rng": {"key": state["rng"]},
              "step": {"step": state["step"], "skipped": state["skipped"]}}
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
     self.manager.save(step, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(data_iter), **args),
@@ -47,7 +55,7 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: dict, data_iter) -> dict:
     """Restores every item onto `abstract_state`'s shapes/shardings; `data_iter` is restored in place."""
-    targets = {"params": abstract_state["params"], "opt_state": abstract_state["opt_state"],
+    targets = {**_user_view_abstract(abstract_state, self.padding),
                "rng": {"key": abstract_state["rng"]},
                "step": {"step": abstract_state["step"], "skipped": abstract_state["skipped"]}}
     args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
@@ -58,7 +66,8 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this config ({e}); "
                             "use a fresh --workdir, or the config the run was started with "
                             "(its config.json)") from e
-    return {"params": out["params"], "opt_state": out["opt_state"], "rng": out["rng"]["key"], **out["step"]}
+    return {**_device_layout({"params": out["params"], "opt_state": out["opt_state"]}, abstract_state, self.padding),
+            "rng": out["rng"]["key"], **out["step"]}
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -68,20 +77,45 @@ class Checkpointer:
     self.manager.close()
 
 
-def restore_params(directory: str, abstract_params, step: int | None = None):
-  """Weights only (for init_from / evaluation): restores the `params` item of the newest checkpoint."""
+def _trees(padding, keys):
+  return {k: padding.axes[k] for k in keys}
+
+
+def _user_view(state, padding):
+  keys = ("params", "opt_state")
+  tree = {k: state[k] for k in keys}
+  return tree if padding is None else sharding.unpad_tree(tree, _trees(padding, keys), padding)
+
+
+def _user_view_abstract(abstract_state, padding):
+  keys = ("params", "opt_state")
+  tree = {k: abstract_state[k] for k in keys if k in abstract_state}
+  return tree if padding is None else sharding.user_view_abstract(tree, _trees(padding, tree), padding)
+
+
+def _device_layout(tree, abstract_state, padding):
+  if padding is None:
+    return tree
+  return sharding.pad_tree(tree, _trees(padding, tree), padding,
+                           jax.tree.map(lambda a: a.sharding, {k: abstract_state[k] for k in tree}))
+
+
+def restore_params(directory: str, abstract_params, step: int | None = None, padding=None):
+  """Weights only (for init_from / evaluation): restores the `params` item of the newest checkpoint
+  onto `abstract_params`' shapes and shardings (any mesh: `padding` re-pads the chapter axis)."""
   directory = checkpoint_dir(directory)
   manager = ocp.CheckpointManager(directory, item_names=("params",))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f"no checkpoint found under {directory}; point at a workdir of a run that saved one")
   try:
-    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))["params"]
+    target = _user_view_abstract({"params": abstract_params}, padding)["params"]
+    params = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
   except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f"params in {directory} step {step} do not match this model config ({e})") from e
   finally:
     manager.close()
-  return params, step
+  return _device_layout({"params": params}, {"params": abstract_params}, padding)["params"], step
 
 
 def abstract_of(tree):

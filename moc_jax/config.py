@@ -101,8 +101,14 @@ def validate(c) -> None:
     _fail("data.seq_len", f"{c.data.seq_len} > model.max_seq_len {m.max_seq_len}", "shorten data.seq_len")
   if "train" in c:
     _validate_train(c)
-  if not mem.enabled:
-    return
+  if mem.enabled:
+    _validate_memory(c)
+  if "mesh" in c:
+    _validate_mesh(c)
+
+
+def _validate_memory(c):
+  m, mem = c.model, c.memory
   _enum(c, "memory.placement", PLACEMENTS)
   _enum(c, "memory.sharing", SHARINGS)
   _enum(c, "memory.block_variant", VARIANTS)
@@ -169,6 +175,46 @@ def _validate_train(c):
   if (t.batch_size * t.grad_accum) % jax.process_count():
     _fail("train.batch_size", f"{t.batch_size}*{t.grad_accum} is not divisible by {jax.process_count()} processes",
           "use a global batch divisible by the process count")
+
+
+def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
+  """(field, size) of every dimension each logical axis names, for the mesh divisibility check."""
+  m, mem = c.model, c.memory
+  dims = {"vocab": [("model.vocab_size", m.vocab_size)], "embed": [("model.d_model", m.d_model)],
+          "heads": [("model.num_heads", m.num_heads)], "kv": [("model.num_kv_heads", m.num_kv_heads)],
+          "mlp": [("model.mlp_dim", m.mlp_dim)], "layers": [("model.num_layers", layer_plan(c).num_groups)]}
+  if "train" in c:
+    dims["batch"] = [("train.batch_size", c.train.batch_size)]
+  if mem.enabled and memory_layers(c):
+    dims["embed"].append(("memory.dim", mem.dim or m.d_model))
+    dims["heads"].append(("memory.num_heads", mem.num_heads))
+    dims["kv"].append(("memory.num_kv_heads", mem.num_kv_heads))
+    dims["chapter_tokens"] = [("memory.num_tokens", mem.num_tokens // mem.num_chapters)]
+    dims["chapter_logits"] = [("memory.num_chapters", mem.num_chapters)]
+    dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
+  return dims
+
+
+def _validate_mesh(c):
+  """The mesh must fit the devices, and every sharded dimension must divide by its shard count
+  (except chapters, which are padded)."""
+  from moc_jax import sharding
+  sizes = sharding.mesh_shape(c, sharding.num_devices(c))
+  rules = sharding.rules_of(c)
+  for name, _ in rules:
+    unknown = [a for a in sharding.mesh_axes_of(rules, name) if a not in sizes]
+    if unknown:
+      _fail("logical_axis_rules", f"{name!r} maps to unknown mesh axes {unknown}", f"use axes of {list(sizes)}")
+  for name, fields in _logical_dims(c).items():
+    n = sharding.shards(c, name, sizes)
+    for field, size in fields:
+      if size % n:
+        _fail(field, f"{size} is not divisible by the {n} shards of logical axis {name!r} "
+              f"(mesh {sizes}, rule {dict(rules).get(name)!r})", "change the mesh or logical_axis_rules")
+  chapter_axes = {a for a in sharding.mesh_axes_of(rules, "chapters") if sizes[a] > 1}
+  if chapter_axes - set(sharding.mesh_axes_of(rules, "batch")):
+    _fail("logical_axis_rules", f"the bank's chapters are split over {sorted(chapter_axes)} but 'batch' is not",
+          "add those mesh axes to the 'batch' rule (the memory axis carries its own slice of the batch)")
 
 
 def memory_layers(c) -> tuple[int, ...]:

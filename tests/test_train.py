@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import moc_jax
+from moc_jax import sharding
 from moc_jax.train import loop
 from tests import train_utils as tu
 
@@ -135,8 +136,7 @@ def test_nonfinite_updates_are_skipped_counted_and_never_saved(data_dir, tmp_pat
   assert 0 < skipped[-1] < 6, skipped
   from moc_jax.checkpoint import Checkpointer
   ck = Checkpointer(str(tmp_path / "checkpoints"), keep=10)
-  mesh = loop.make_mesh(config)
-  _, _, abstract, _, _ = loop.build_state(config, mesh)
+  abstract = loop.build_state(config, sharding.make_mesh(config)).abstract
   from moc_jax.data import make_train_iterator
   prev = None
   for step, bad in zip(range(1, 7), n_bad):
@@ -168,8 +168,7 @@ def test_init_from_loads_weights_with_fresh_optimizer_and_step(data_dir, tmp_pat
   dst = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(
       data_dir, **{"train.steps": 1, "train.checkpoint_every": 1, "train.init_from": str(tmp_path / "src")}))
   loop.train_and_evaluate(dst, str(tmp_path / "dst"))
-  mesh = loop.make_mesh(dst)
-  _, _, abstract, _, _ = loop.build_state(dst, mesh)
+  abstract = loop.build_state(dst, sharding.make_mesh(dst)).abstract
   from moc_jax.checkpoint import restore_params
   a, step_a = restore_params(str(tmp_path / "src"), abstract["params"])
   b, step_b = restore_params(str(tmp_path / "dst"), abstract["params"])

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 import moc_jax
-from moc_jax import flops
+from moc_jax import flops, sharding
 from moc_jax.bench import cpu_peak
 from moc_jax.losses import lm_loss, next_token_ce
 from moc_jax.train import loop
@@ -119,9 +119,7 @@ def mfu(flops_per_step: float, step_seconds: float, peak_flops: float | None, de
 
 
 def single_device_mesh(config):
-  axes = config.sharding.mesh_axes
-  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(axes)), axes,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  return sharding.make_mesh(config, jax.devices()[:1])
 
 
 class Trainer:
@@ -130,8 +128,8 @@ class Trainer:
   def __init__(self, config, seed: int = 0):
     self.config = config
     mesh = single_device_mesh(config)
-    self.graphdef, self.tx, _, shardings, init_fn = loop.build_state(config, mesh)
-    batch_sharding = loop.data_sharding(config, mesh)
+    self.graphdef, self.tx, _, shardings, init_fn, _ = loop.build_state(config, mesh)
+    batch_sharding = sharding.data_sharding(config, mesh)
     step = loop.jit_train_step(self.graphdef, self.tx, config, shardings, batch_sharding)
     self.state = init_fn()
     self.batch = jax.device_put(synthetic_batch(config, seed), batch_sharding)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moc_jax.model.chapter_read import read_chapters
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
 
 
@@ -18,13 +19,19 @@ class ChapterBank(nnx.Module):
   """All memory banks as one parameter [num_banks, chapters, chapter_tokens, mem_dim].
 
   Chapter c of bank b is `memory[b, c]` (MoC-PT rows [c*T, (c+1)*T)); shared chapters come first.
+  `padded_chapters` >= num_chapters rounds the chapter axis up to its shard count; the extra chapters
+  are zeros that no router logit points at (never read, zero gradient), so every value is the same as
+  an unpadded bank drawn from the same seed.
   """
 
-  def __init__(self, cfg, num_banks, rngs):
+  def __init__(self, cfg, num_banks, rngs, padded_chapters=None):
     mem = cfg.memory
     shape = (num_banks, mem.num_chapters, mem.num_tokens // mem.num_chapters, mem.dim or cfg.model.d_model)
     self.memory = nnx.Param(
         param_init(mem.init_std, "banks", "chapters", "chapter_tokens", "embed")(rngs.params(), shape))
+    extra = (padded_chapters or mem.num_chapters) - mem.num_chapters
+    if extra:
+      self.memory.set_value(jnp.pad(self.memory[...], ((0, 0), (0, extra), (0, 0), (0, 0))))
 
 
 def route(logits, num_shared, top_k):
@@ -82,7 +89,7 @@ class Router(nnx.Module):
   """One linear router per memory layer over all C chapters (bias included, as MoC-PT)."""
 
   def __init__(self, cfg, rngs):
-    self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapters"),
+    self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapter_logits"),
                       jnp.dtype(cfg.model.compute_dtype), rngs, bias=True)
 
   def __call__(self, h):
@@ -141,7 +148,7 @@ class MemoryLayer(nnx.Module):
     chapters = jnp.concatenate(
         [jnp.broadcast_to(jnp.arange(self.num_shared, dtype=routed_ids.dtype), (b, self.num_shared)), routed_ids], -1)
     weights = mix_weights(routed_w, self.num_shared, self.scaling)
-    sel = jnp.take(bank, chapters, axis=0)  # [B, s+k, T, dm]
+    sel = read_chapters(bank, chapters)  # [B, s+k, T, dm]
     sel = normalize_tokens(sel.astype(jnp.float32), self.token_norm, self.token_norm_eps)
     sel = sel * weights[:, :, None, None]
     stats = router_losses(logits, probs, routed_ids)

@@ -15,6 +15,7 @@ from flax import nnx
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
 from moc_jax.model.memory import ChapterBank, MemoryLayer
+from moc_jax.sharding import padded_chapters
 
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -89,7 +90,8 @@ class Transformer(nnx.Module):
     self.plan = layer_plan(cfg)
     self.bank_ids = bank_ids(cfg)
     self.embed = Embed(cfg, rngs)
-    self.bank = ChapterBank(cfg, max(self.bank_ids) + 1, rngs) if memory_layers(cfg) else None
+    self.bank = (ChapterBank(cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg))
+                 if memory_layers(cfg) else None)
     p = self.plan
     if p.scanned:
       @nnx.split_rngs(splits=p.num_groups)

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 import moc_jax
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
+from moc_jax import sharding
 from moc_jax.train import optim
 from moc_jax.train.metrics import MetricsWriter
 from moc_jax.train.step import make_eval_step, make_train_step
@@ -44,25 +46,6 @@ class _Preemption:
     signal.signal(signal.SIGTERM, self._previous)
 
 
-def make_mesh(config):
-  devices = np.array(jax.devices()).reshape(-1, *([1] * (len(config.sharding.mesh_axes) - 1)))
-  return jax.sharding.Mesh(devices, config.sharding.mesh_axes,
-                           axis_types=(jax.sharding.AxisType.Auto,) * len(config.sharding.mesh_axes))
-
-
-def logical_shardings(tree, mesh, rules):
-  """NamedShardings from the logical axis names carried by nnx Variables (Adam moments inherit their
-  parameter's names; counters and other leaves are replicated)."""
-  with nnx.logical_axis_rules(rules):
-    specs = nnx.get_partition_spec(tree)
-  return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
-
-
-def data_sharding(config, mesh):
-  """Batches are split along their first axis over the mesh axis the `batch` logical axis maps to."""
-  return jax.sharding.NamedSharding(mesh, jax.P(dict(config.sharding.rules).get("batch")))
-
-
 def micro_batch_config(config):
   """Per-process data config: one loader batch = grad_accum micro-batches of this process's share."""
   d = config.data.copy_and_resolve_references()
@@ -71,16 +54,32 @@ def micro_batch_config(config):
   return d
 
 
-def build_state(config, mesh):
-  """(graphdef, tx, abstract state, shardings, init_fn) for this config; nothing allocated yet."""
+class StateLayout(NamedTuple):
+  """Everything known about the train state before it exists: built by `build_state`."""
+  graphdef: object
+  tx: object
+  abstract: dict       # ShapeDtypeStructs with their shardings
+  shardings: dict
+  init: object         # jitted () -> state, born sharded
+  padding: sharding.ChapterPadding
+
+
+def build_state(config, mesh) -> StateLayout:
+  """The train state's layout on `mesh`; nothing allocated yet."""
   abstract = moc_jax.abstract_model(config)
   graphdef, abstract_params = nnx.split(abstract, nnx.Param)
   tx = optim.make_optimizer(config.train, abstract_params)
-  p_shard = logical_shardings(abstract_params, mesh, config.sharding.rules)
-  o_shard = logical_shardings(jax.eval_shape(tx.init, abstract_params), mesh, config.sharding.rules)
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  rules = sharding.rules_of(config)
+  p_shard = sharding.logical_shardings(abstract_params, mesh, rules)
+  o_shard = sharding.logical_shardings(abstract_opt, mesh, rules)
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  scalars = {k: replicated for k in ("step", "nonfinite", "skipped", "rng")}
-  shardings = {"params": p_shard, "opt_state": o_shard, **scalars}
+  scalars = ("step", "nonfinite", "skipped", "rng")
+  shardings = {"params": p_shard, "opt_state": o_shard, **{k: replicated for k in scalars}}
+  padding = sharding.chapter_padding(
+      {"params": nnx.get_partition_spec(abstract_params), "opt_state": nnx.get_partition_spec(abstract_opt),
+       **{k: jax.P() for k in scalars}},
+      config.memory.num_chapters, sharding.padded_chapters(config, dict(mesh.shape)))
 
   def init(seed):
     params = nnx.state(moc_jax.model.Transformer(config, nnx.Rngs(params=seed)), nnx.Param)
@@ -92,7 +91,7 @@ def build_state(config, mesh):
   abstract_state = jax.eval_shape(lambda: init(config.seed))
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 abstract_state, shardings)
-  return graphdef, tx, abstract_state, shardings, init_fn
+  return StateLayout(graphdef, tx, abstract_state, shardings, init_fn, padding)
 
 
 def jit_train_step(graphdef, tx, config, shardings, batch_sharding):
@@ -107,13 +106,22 @@ def train_and_evaluate(config, workdir: str) -> dict:
   moc_jax._warn_if_not_causal(config)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  mesh = make_mesh(config)
+  mesh = sharding.make_mesh(config)
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    return _train(config, workdir, mesh)
+
+
+def _train(config, workdir, mesh):
   t = config.train
-  graphdef, tx, abstract_state, shardings, init_fn = build_state(config, mesh)
+  layout = build_state(config, mesh)
+  graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
+  log.warning("moc_jax: mesh %s over %d devices (%d processes)%s", dict(mesh.shape), mesh.size, jax.process_count(),
+              f"; bank chapters padded {layout.padding.real} -> {layout.padding.padded}" if layout.padding.active else "")
   data_cfg = micro_batch_config(config)
   data_iter = data_lib.make_train_iterator(data_cfg, process_index=jax.process_index(),
                                            process_count=jax.process_count())
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints)
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
+                                       padding=layout.padding)
   start = checkpointer.latest_step()
   if start is not None:
     state = {**checkpointer.restore(start, abstract_state, data_iter),
@@ -123,13 +131,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
     start = 0
     state = init_fn()
     if t.init_from:
-      params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"])
+      params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"], padding=layout.padding)
       state["params"] = params
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
   _log_memory(config, abstract_state)
   throughput = Throughput(config)
   writer = MetricsWriter(workdir, t.steps, start, t.progress)
-  batch_sharding = data_sharding(config, mesh)
+  batch_sharding = sharding.data_sharding(config, mesh)
   train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding)
   evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
   preempt = _Preemption()
@@ -259,10 +267,12 @@ class Evaluator:
 
 
 def evaluate_checkpoint(config, workdir: str) -> dict:
-  """--mode=eval: validation CE (and fact recall) of the newest checkpoint in `workdir`."""
-  mesh = make_mesh(config)
-  graphdef, _, abstract_state, shardings, _ = build_state(config, mesh)
-  params, step = ckpt_lib.restore_params(workdir, abstract_state["params"])
-  batch_sharding = data_sharding(config, mesh)
-  return {"step": step, "split": "validation",
-          **Evaluator(config, graphdef, shardings["params"], batch_sharding)(params)}
+  """--mode=eval: validation CE (and fact recall) of the newest checkpoint in `workdir`, restored
+  onto this run's mesh whatever mesh saved it."""
+  mesh = sharding.make_mesh(config)
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    layout = build_state(config, mesh)
+    params, step = ckpt_lib.restore_params(workdir, layout.abstract["params"], padding=layout.padding)
+    batch_sharding = sharding.data_sharding(config, mesh)
+    return {"step": step, "split": "validation",
+            **Evaluator(config, layout.graphdef, layout.shardings["params"], batch_sharding)(params)}
