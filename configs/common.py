@@ -59,6 +59,7 @@ def base_config():
   mem.block_variant = "A"        # A: SA -> mem -> MLP ; B: SA -> MLP -> mem -> MLP
   mem.token_norm = "rms"         # rms | layernorm | none : parameter-free norm of selected memory tokens
   mem.token_norm_eps = 1e-5
+  mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
   mem.routing = "sequence"       # sequence (MoC-PT's paper mode; not causal)
   mem.init_std = 0.02
   mem.wo_init_zero = True

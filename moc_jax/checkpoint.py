@@ -77,27 +77,20 @@ class Checkpointer:
     self.manager.close()
 
 
-def _trees(padding, keys):
-  return {k: padding.axes[k] for k in keys}
-
-
 def _user_view(state, padding):
-  keys = ("params", "opt_state")
-  tree = {k: state[k] for k in keys}
-  return tree if padding is None else sharding.unpad_tree(tree, _trees(padding, keys), padding)
+  tree = {k: state[k] for k in ("params", "opt_state")}
+  return tree if padding is None else sharding.unpad_tree(tree, padding)
 
 
 def _user_view_abstract(abstract_state, padding):
-  keys = ("params", "opt_state")
-  tree = {k: abstract_state[k] for k in keys if k in abstract_state}
-  return tree if padding is None else sharding.user_view_abstract(tree, _trees(padding, tree), padding)
+  tree = {k: abstract_state[k] for k in ("params", "opt_state") if k in abstract_state}
+  return tree if padding is None else sharding.user_view_abstract(tree, padding)
 
 
 def _device_layout(tree, abstract_state, padding):
   if padding is None:
     return tree
-  return sharding.pad_tree(tree, _trees(padding, tree), padding,
-                           jax.tree.map(lambda a: a.sharding, {k: abstract_state[k] for k in tree}))
+  return sharding.pad_tree(tree, padding, jax.tree.map(lambda a: a.sharding, {k: abstract_state[k] for k in tree}))
 
 
 def restore_params(directory: str, abstract_params, step: int | None = None, padding=None):

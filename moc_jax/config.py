@@ -114,6 +114,7 @@ def _validate_memory(c):
   _enum(c, "memory.block_variant", VARIANTS)
   _enum(c, "memory.token_norm", TOKEN_NORMS)
   _enum(c, "memory.routing", ROUTINGS)
+  _enum(c, "memory.sharded_read", ("auto", "ring", "scatter"))
   for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
             "placement_k", "placement_n", "sharing_k", "token_norm_eps"):
     _positive(c, f"memory.{f}")

@@ -1,7 +1,12 @@
-"""`python -m moc_jax.main --config=configs/moc.py:tiny --workdir=runs/tiny [--config.a.b=v] [--mode=eval]`.
+"""`python -m moc_jax.main --config=configs/moc.py:tiny --workdir=runs/tiny [--config.a.b=v] [--mode=...]`.
 
 train (default): trains, evaluates and checkpoints into the workdir, resuming if it holds checkpoints.
 eval: evaluates the newest checkpoint of the workdir on the validation split (and fact-recall probes).
+compile: lowers and compiles the train step for the configured mesh and prints a per-device memory
+  report as one JSON line (no workdir needed; `--config.num_fake_devices=8` on a CPU).
+Multi-host: `--distributed` (TPU pods, SLURM: detected by JAX) or `--coordinator_address=HOST:PORT
+--num_processes=N --process_id=I` (also from MOC_JAX_COORDINATOR_ADDRESS / _NUM_PROCESSES / _PROCESS_ID);
+every process runs the same command and feeds its own slice of each batch.
 """
 from __future__ import annotations
 
@@ -15,33 +20,54 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/moc.py:tiny.",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory: config.json, checkpoints/, metrics.jsonl, loss.png.")
-flags.DEFINE_enum("mode", "train", ["train", "eval"], "train (resumes automatically) or eval.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "compile"], "train (resumes automatically), eval or compile.")
+flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed; cluster auto-detected).")
+flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a multi-process run.")
+flags.DEFINE_integer("num_processes", None, "Processes in the multi-process run.")
+flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if FLAGS.config is None or FLAGS.workdir is None:
+  if FLAGS.config is None or (FLAGS.workdir is None and FLAGS.mode != "compile"):
     raise app.UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
   from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.WARNING)  # library INFO chatter (orbax, tfds) off the console
   import tensorflow_datasets as tfds
   tfds.disable_progress_bar()
   logging.getLogger("moc_jax").setLevel(logging.INFO)
+  from moc_jax import distributed
   from moc_jax.config import ConfigError, validate
   from moc_jax.checkpoint import CheckpointError
   from moc_jax.data import DataError
   from moc_jax.train.loop import TrainingError, evaluate_checkpoint, train_and_evaluate
   try:
+    _use_fake_devices(FLAGS.config.num_fake_devices)  # both before the first use of a JAX backend
+    try:
+      distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.distributed)
+    except ValueError as e:  # a malformed address / process id: named by the message
+      raise ConfigError(str(e)) from e
     validate(FLAGS.config)
     if FLAGS.mode == "train":
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    else:
+    elif FLAGS.mode == "eval":
       print(json.dumps(evaluate_checkpoint(FLAGS.config, FLAGS.workdir)))
+    else:
+      from moc_jax import compile_report
+      compile_report.main(FLAGS.config)
   except (ConfigError, CheckpointError, DataError, TrainingError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def _use_fake_devices(n):
+  """`config.num_fake_devices`: a CPU with n devices stands in for a slice (compile reports, tests)."""
+  if n:
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 
 import jax
@@ -126,8 +127,10 @@ def current(logical: str):
 
 @dataclasses.dataclass(frozen=True)
 class ChapterPadding:
-  """Where the padded chapter axis sits in each leaf of a state tree (-1: not a bank-shaped leaf)."""
-  axes: object  # pytree of int, same structure as the state
+  """Chapters of the bank as users see them (`real`) and as stored on the devices (`padded`).
+
+  Applies to the bank parameter [banks, chapters, T, d] and its optimizer moments (chapter axis 1).
+  """
   real: int
   padded: int
 
@@ -136,72 +139,66 @@ class ChapterPadding:
     return self.padded != self.real
 
 
-def chapter_padding(logical_specs, real: int, padded: int) -> ChapterPadding:
-  """From a tree of logical PartitionSpecs (nnx.get_partition_spec without rules)."""
-  axes = jax.tree.map(lambda s: list(s).index("chapters") if "chapters" in tuple(s) else -1, logical_specs,
-                      is_leaf=lambda x: isinstance(x, jax.P))
-  return ChapterPadding(axes, real, padded)
+def _path_names(path):
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
-def unpad_tree(tree, axes, padding: ChapterPadding):
-  """The user view of `tree` (chapter axes per leaf in `axes`): padded chapters dropped. One jit whose
-  outputs keep the chapter shards' memory spread (the split moves to another dimension it divides),
-  so no device ever holds a whole bank."""
+def _map_bank(fn, tree, *rest):
+  """fn(leaf, *rest_leaves, is_bank) over `tree` (its structure leads)."""
+  return jax.tree_util.tree_map_with_path(lambda p, x, *r: fn(x, *r, _is_bank(_path_names(p))), tree, *rest)
+
+
+def _is_bank(names):
+  """The bank parameter `bank/memory` or a moment of it (not, e.g., an optimizer group named "bank")."""
+  return any(a == "bank" and b == "memory" for a, b in zip(names, names[1:]))
+
+
+def unpad_tree(tree, padding: ChapterPadding):
+  """The user view of `tree`: padded chapters dropped. One jit whose outputs keep the chapter shards'
+  memory spread (the split moves to another dimension it divides), so no device holds a whole bank."""
   if not padding.active:
     return tree
-
-  def cut(x, axis):
-    return x if axis < 0 else jax.lax.slice_in_dim(x, 0, padding.real, axis=axis)
-
-  out_shardings = jax.tree.map(
-      lambda x, axis: x.sharding if axis < 0 else _user_sharding(x.sharding, x.shape, axis, padding.real), tree, axes)
-  return jax.jit(lambda t: jax.tree.map(cut, t, axes), out_shardings=out_shardings)(tree)
+  out_shardings = _map_bank(lambda x, bank: _user_sharding(x.sharding, x.shape) if bank else x.sharding, tree)
+  cut = functools.partial(_map_bank, lambda x, bank: x[:, :padding.real] if bank else x)
+  return jax.jit(cut, out_shardings=out_shardings)(tree)
 
 
-def pad_tree(tree, axes, padding: ChapterPadding, shardings):
+def pad_tree(tree, padding: ChapterPadding, shardings):
   """The device layout from the user view: zero chapters appended (inert: never routed to)."""
   if not padding.active:
     return tree
+  extra = padding.padded - padding.real
 
-  def grow(x, axis):
-    if axis < 0:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, padding.padded - padding.real)
-    return jax.numpy.pad(x, widths)
+  def grow(x, bank):
+    return jax.numpy.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)) if bank else x
 
-  return jax.jit(lambda t: jax.tree.map(grow, t, axes), out_shardings=shardings)(tree)
+  return jax.jit(functools.partial(_map_bank, grow), out_shardings=shardings)(tree)
 
 
-def user_view_abstract(abstract, axes, padding: ChapterPadding):
+def user_view_abstract(abstract, padding: ChapterPadding):
   """Restore targets in the user view (unpadded chapter axis, shardings that divide it)."""
   if not padding.active:
     return abstract
 
-  def view(a, axis):
-    if axis < 0:
+  def view(a, bank):
+    if not bank:
       return a
-    shape = list(a.shape)
-    shape[axis] = padding.real
-    return jax.ShapeDtypeStruct(tuple(shape), a.dtype, sharding=_user_sharding(a.sharding, a.shape, axis, padding.real))
+    shape = (a.shape[0], padding.real, *a.shape[2:])
+    return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_user_sharding(a.sharding, a.shape))
 
-  return jax.tree.map(view, abstract, axes)
+  return _map_bank(view, abstract)
 
 
-def _user_sharding(sharding, shape, axis, real):
+def _user_sharding(sharding, shape, axis=1):
   """`sharding` with the chapter axis's mesh axes moved to the first other dimension they divide."""
   spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-  moved = spec[axis]
-  spec[axis] = None
+  moved, spec[axis] = spec[axis], None
   if moved is not None:
-    moved_axes = moved if isinstance(moved, tuple) else (moved,)
-    size = math.prod(sharding.mesh.shape[a] for a in moved_axes)
+    moved = moved if isinstance(moved, tuple) else (moved,)
     for d, n in enumerate(shape):
-      if d == axis:
-        continue
       have = spec[d] if isinstance(spec[d], tuple) else ((spec[d],) if spec[d] else ())
-      if n % (size * math.prod(sharding.mesh.shape[a] for a in have)) == 0:
-        spec[d] = tuple(have) + tuple(moved_axes)
+      if d != axis and n % math.prod(sharding.mesh.shape[a] for a in have + moved) == 0:
+        spec[d] = have + moved
         break
   return jax.sharding.NamedSharding(sharding.mesh, jax.P(*spec))
 

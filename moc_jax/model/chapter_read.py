@@ -2,13 +2,22 @@
 
 Replicated bank: a plain gather. Bank sharded over the mesh axes of the logical `chapters` axis
 (which must also split the batch): each device holds C/n chapters and its own slice of the batch. A
-gather on such an operand would all-gather the whole bank onto every device each step; instead the
-chapter shards travel round a ring (n-1 `ppermute`s) and each device copies out the chapters its
-sequences selected from the shard it holds — at most two shards and the device's own selection are
-ever resident. The backward pass runs the same ring with a shard-sized gradient accumulator that ends
-on the shard's owner, so the bank gradient is never replicated either. Both directions are exact.
+gather on such an operand would all-gather the whole bank onto every device each step. Instead, two
+exact strategies, each moving and holding at most the smaller of "the bank" and "the selections of
+the n devices sharing it":
+
+* `scatter` — the chapter ids of the n devices are all-gathered (a few KB); every device copies out
+  the requested chapters it owns and a reduce-scatter returns each device its own selection.
+  Traffic and temporaries ~ n x (a device's selection). Plain autodiff (gather / scatter-add).
+* `ring` — the chapter shards travel round a ring (n-1 `ppermute`s) and each device copies out its
+  chapters from the shard it holds; the backward pass runs the same ring with a shard-sized gradient
+  accumulator that ends on the shard's owner. Traffic ~ the bank; resident: two shards + selection.
+
+`auto` takes `scatter` when a device's requests (batch x slots) are fewer than a shard's chapters.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,75 +26,94 @@ from flax.core import spmd
 from moc_jax.sharding import current, mesh_axes_of
 
 
-def read_chapters(bank, ids):
-  """bank [C, T, d], ids [B, S] int -> [B, S, T, d] (bank[ids])."""
+def read_chapters(bank, ids, strategy="auto"):
+  """bank [C, T, d], ids [B, S] int -> [B, S, T, d] (bank[ids]); `strategy` auto | ring | scatter."""
   chapter_axes, mesh = current("chapters")
   if not chapter_axes:
     return jnp.take(bank, ids, axis=0)
   rules = spmd.get_logical_axis_rules()
 
+  def axes(name):
+    return tuple(a for a in mesh_axes_of(rules, name) if mesh.shape[a] > 1) if name else ()
+
   def spec(*names):
-    return jax.P(*[tuple(a for a in mesh_axes_of(rules, n) if mesh.shape[a] > 1) or None for n in names])
+    return jax.P(*[axes(n) or None for n in names])
 
   bank_spec, ids_spec = spec("chapters", "chapter_tokens", "embed"), spec("batch", None)
-  if not set(chapter_axes) <= set(ids_spec[0] or ()):
+  if not set(chapter_axes) <= set(axes("batch")):
     raise ValueError(f"the bank's chapter axis is sharded over {chapter_axes}, which must also split "
                      "`batch` (config.logical_axis_rules)")
-  gathered = [(i, axes) for i, axes in ((1, bank_spec[1]), (2, bank_spec[2])) if axes]
+  gathered = [(dim, axes(n)) for dim, n in ((1, "chapter_tokens"), (2, "embed")) if axes(n)]
 
   def local(bank_shard, ids_shard):
-    for dim, axes in gathered:  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)
-      bank_shard = jax.lax.all_gather(bank_shard, axes, axis=dim, tiled=True)
-    return _ring_take(bank_shard, ids_shard, chapter_axes)
+    for dim, split in gathered:  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)
+      bank_shard = jax.lax.all_gather(bank_shard, split, axis=dim, tiled=True)
+    scatter = ids_shard.size < bank_shard.shape[0] if strategy == "auto" else strategy == "scatter"
+    return (_scatter_take if scatter else _ring_take)(bank_shard, ids_shard, chapter_axes)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(bank_spec, ids_spec),
                        out_specs=spec("batch", None, None, None), check_vma=False)(bank, ids)
 
 
+def _owned(ids, owner, per):
+  """Local row of each requested chapter in `owner`'s shard (clipped) and whether it lives there."""
+  local = ids - owner * per
+  return jnp.clip(local, 0, per - 1), (local >= 0) & (local < per)
+
+
+def _scatter_take(shard, ids, axes):
+  """bank[ids]: owners copy out what the group asked for; a reduce-scatter hands each device its part."""
+  group_ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
+  local, hit = _owned(group_ids, jax.lax.axis_index(axes), shard.shape[0])
+  part = jnp.where(hit[:, :, None, None], jnp.take(shard, local, axis=0), 0)
+  return jax.lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
+
+
+def _right(n):
+  return [(j, (j + 1) % n) for j in range(n)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _ring_take(shard, ids, axes):
   """bank[ids] where `shard` is this device's block of chapters along mesh axes `axes`."""
-  n = _axis_size(axes)
-  per = shard.shape[0]
-  right = [(j, (j + 1) % n) for j in range(n)]
+  n, per = _axis_size(axes), shard.shape[0]
+  me = jax.lax.axis_index(axes)
 
-  def owned_by(owner):
-    local = ids - owner * per
-    hit = (local >= 0) & (local < per)
-    return jnp.clip(local, 0, per - 1), hit
-
-  @jax.custom_vjp
-  def take(shard):
-    me = jax.lax.axis_index(axes)
-
-    def step(i, carry):
-      held, out = carry
-      local, hit = owned_by((me - i) % n)  # `held` came from the device i places to the left
-      out = jnp.where(hit[:, :, None, None], jnp.take(held, local, axis=0), out)
-      return jax.lax.ppermute(held, axes, right), out
-
-    out = jnp.zeros(ids.shape + shard.shape[1:], shard.dtype)
-    held, out = jax.lax.fori_loop(0, n - 1, step, (shard, out))
-    local, hit = owned_by((me - (n - 1)) % n)
+  def copy_out(owner, held, out):
+    local, hit = _owned(ids, owner, per)
     return jnp.where(hit[:, :, None, None], jnp.take(held, local, axis=0), out)
 
-  def fwd(shard):
-    return take(shard), None
+  def step(i, carry):  # `held` came from the device i places to the left
+    held, out = carry
+    return jax.lax.ppermute(held, axes, _right(n)), copy_out((me - i) % n, held, out)
 
-  def bwd(_, g):
-    me = jax.lax.axis_index(axes)
+  out = jnp.zeros(ids.shape + shard.shape[1:], shard.dtype)
+  held, out = jax.lax.fori_loop(0, n - 1, step, (shard, out))
+  return copy_out((me - n + 1) % n, held, out)
 
-    def add(i, acc):  # at step i this device holds the accumulator of the shard owned i+1 places left
-      local, hit = owned_by((me - i - 1) % n)
-      return acc.at[local].add(jnp.where(hit[:, :, None, None], g, 0).astype(acc.dtype))
 
-    def step(i, acc):
-      return jax.lax.ppermute(add(i, acc), axes, right)
+def _ring_take_fwd(shard, ids, axes):
+  return _ring_take(shard, ids, axes), (ids, jnp.zeros((shard.shape[0], 0), shard.dtype))
 
-    acc = jax.lax.fori_loop(0, n - 1, step, jnp.zeros(shard.shape, shard.dtype))
-    return (add(n - 1, acc),)
 
-  take.defvjp(fwd, bwd)
-  return take(shard)
+def _ring_take_bwd(axes, res, g):
+  ids, like = res  # `like`: the shard's row count and dtype, without keeping the shard
+  n, per, dtype = _axis_size(axes), like.shape[0], like.dtype
+  shape = (per,) + g.shape[2:]
+  me = jax.lax.axis_index(axes)
+
+  def add(i, acc):  # at step i this device holds the accumulator of the shard owned i+1 places left
+    local, hit = _owned(ids, (me - i - 1) % n, per)
+    return acc.at[local].add(jnp.where(hit[:, :, None, None], g, 0).astype(dtype))
+
+  def step(i, acc):
+    return jax.lax.ppermute(add(i, acc), axes, _right(n))
+
+  acc = jax.lax.fori_loop(0, n - 1, step, jnp.zeros(shape, dtype))
+  return add(n - 1, acc), None
+
+
+_ring_take.defvjp(_ring_take_fwd, _ring_take_bwd)
 
 
 def _axis_size(axes):

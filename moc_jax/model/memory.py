@@ -136,6 +136,7 @@ class MemoryLayer(nnx.Module):
     # MoC-PT skips the token norm when there are no shared chapters (or no routed ones).
     self.token_norm = mem.token_norm if mem.num_shared > 0 else "none"
     self.token_norm_eps = mem.token_norm_eps
+    self.sharded_read = mem.sharded_read
     self.router = Router(cfg, rngs)
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
@@ -148,7 +149,7 @@ class MemoryLayer(nnx.Module):
     chapters = jnp.concatenate(
         [jnp.broadcast_to(jnp.arange(self.num_shared, dtype=routed_ids.dtype), (b, self.num_shared)), routed_ids], -1)
     weights = mix_weights(routed_w, self.num_shared, self.scaling)
-    sel = read_chapters(bank, chapters)  # [B, s+k, T, dm]
+    sel = read_chapters(bank, chapters, self.sharded_read)  # [B, s+k, T, dm]
     sel = normalize_tokens(sel.astype(jnp.float32), self.token_norm, self.token_norm_eps)
     sel = sel * weights[:, :, None, None]
     stats = router_losses(logits, probs, routed_ids)

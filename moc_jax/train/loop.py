@@ -76,10 +76,7 @@ def build_state(config, mesh) -> StateLayout:
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   scalars = ("step", "nonfinite", "skipped", "rng")
   shardings = {"params": p_shard, "opt_state": o_shard, **{k: replicated for k in scalars}}
-  padding = sharding.chapter_padding(
-      {"params": nnx.get_partition_spec(abstract_params), "opt_state": nnx.get_partition_spec(abstract_opt),
-       **{k: jax.P() for k in scalars}},
-      config.memory.num_chapters, sharding.padded_chapters(config, dict(mesh.shape)))
+  padding = sharding.ChapterPadding(config.memory.num_chapters, sharding.padded_chapters(config, dict(mesh.shape)))
 
   def init(seed):
     params = nnx.state(moc_jax.model.Transformer(config, nnx.Rngs(params=seed)), nnx.Param)
