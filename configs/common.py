@@ -38,6 +38,7 @@ def base_config():
   m.compute_dtype = "bfloat16"   # matmul inputs; params, residual, norms, softmax and loss stay float32
   m.param_dtype = "float32"
   m.remat = "full"               # none | full | dots : per-block activation checkpointing
+  m.logits_chunk = 0             # > 0: the training loss computes logits this many positions at a time
   m.scan_layers = True           # scan the repeating group of layers when the placement is periodic
 
   mem = c.memory = config_dict.ConfigDict()
@@ -98,8 +99,9 @@ def base_config():
   # The memory axis is a batch axis outside the memory read (as experts are in MoE expert parallelism).
   c.logical_axis_rules = (
       ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
-      ("embed", "fsdp"), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
-      ("chapters", "memory"), ("chapter_tokens", None), ("chapter_logits", None))
+      ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
+      ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"),
+      ("chapter_logits", None))
   c.num_fake_devices = 0         # > 0: that many CPU devices (compile reports, mesh tests on one host)
 
   from moc_jax.data import default_data_config

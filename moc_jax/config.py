@@ -90,6 +90,7 @@ def validate(c) -> None:
   for f in ("compute_dtype", "param_dtype"):
     _enum(c, f"model.{f}", DTYPES)
   _enum(c, "model.remat", REMATS)
+  _positive(c, "model.logits_chunk", allow_zero=True)
   if m.d_model % m.num_heads:
     _fail("model.num_heads", f"{m.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
   if m.num_heads % m.num_kv_heads:
@@ -191,6 +192,7 @@ def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
     dims["heads"].append(("memory.num_heads", mem.num_heads))
     dims["kv"].append(("memory.num_kv_heads", mem.num_kv_heads))
     dims["chapter_tokens"] = [("memory.num_tokens", mem.num_tokens // mem.num_chapters)]
+    dims["bank_embed"] = [("memory.dim", mem.dim or m.d_model)]
     dims["chapter_logits"] = [("memory.num_chapters", mem.num_chapters)]
     dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
   return dims

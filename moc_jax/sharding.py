@@ -123,6 +123,18 @@ def current(logical: str):
   return axes, mesh
 
 
+def constrain(x, *logical):
+  """Pins an activation's layout by logical names (None = not split) while tracing under `activate`;
+  without it GSPMD may split FSDP matmuls on the wrong side (e.g. gather logits instead of weights)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return x
+  rules = spmd.get_logical_axis_rules()
+  spec = jax.P(*[tuple(a for a in mesh_axes_of(rules, n) if mesh.shape[a] > 1) or None if n else None
+                 for n in logical])
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 # --- chapter padding: device layout <-> user view --------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
   assert code == 0, out
   assert "SIGTERM" in out
   steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
-  assert len(steps) == 1 and 3 <= steps[0] < 1000
+  assert len(steps) == 1 and 2 <= steps[0] < 1000  # the signal lands after step 2 logged
 
 
 def test_nonfinite_updates_are_skipped_counted_and_never_saved(data_dir, tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def peak(dtype: str = "bfloat16", force: bool = False, **measure_kwargs) -> dict
   if force or key not in cache:
     cache[key] = measure(dtype, **measure_kwargs)
     os.makedirs(os.path.dirname(cache_path()), exist_ok=True)
-    tmp = cache_path() + ".tmp"
+    tmp = f"{cache_path()}.{os.getpid()}.tmp"  # processes measuring at once must not share it
     with open(tmp, "w") as f:
       json.dump(cache, f, indent=1, sort_keys=True)
     os.replace(tmp, cache_path())

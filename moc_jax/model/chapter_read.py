@@ -39,11 +39,11 @@ def read_chapters(bank, ids, strategy="auto"):
   def spec(*names):
     return jax.P(*[axes(n) or None for n in names])
 
-  bank_spec, ids_spec = spec("chapters", "chapter_tokens", "embed"), spec("batch", None)
+  bank_spec, ids_spec = spec("chapters", "chapter_tokens", "bank_embed"), spec("batch", None)
   if not set(chapter_axes) <= set(axes("batch")):
     raise ValueError(f"the bank's chapter axis is sharded over {chapter_axes}, which must also split "
                      "`batch` (config.logical_axis_rules)")
-  gathered = [(dim, axes(n)) for dim, n in ((1, "chapter_tokens"), (2, "embed")) if axes(n)]
+  gathered = [(dim, axes(n)) for dim, n in ((1, "chapter_tokens"), (2, "bank_embed")) if axes(n)]
 
   def local(bank_shard, ids_shard):
     for dim, split in gathered:  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)

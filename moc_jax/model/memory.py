@@ -28,7 +28,7 @@ class ChapterBank(nnx.Module):
     mem = cfg.memory
     shape = (num_banks, mem.num_chapters, mem.num_tokens // mem.num_chapters, mem.dim or cfg.model.d_model)
     self.memory = nnx.Param(
-        param_init(mem.init_std, "banks", "chapters", "chapter_tokens", "embed")(rngs.params(), shape))
+        param_init(mem.init_std, "banks", "chapters", "chapter_tokens", "bank_embed")(rngs.params(), shape))
     extra = (padded_chapters or mem.num_chapters) - mem.num_chapters
     if extra:
       self.memory.set_value(jnp.pad(self.memory[...], ((0, 0), (0, extra), (0, 0), (0, 0))))

@@ -15,7 +15,7 @@ from flax import nnx
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
 from moc_jax.model.memory import ChapterBank, MemoryLayer
-from moc_jax.sharding import padded_chapters
+from moc_jax.sharding import constrain, padded_chapters
 
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -45,7 +45,7 @@ class Block(nnx.Module):
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
     else:
       h = h + self.mlp(self.mlp_norm(h))
-    return h, stats
+    return constrain(h, "batch", None, None), stats
 
 
 class Group(nnx.Module):
@@ -106,6 +106,16 @@ class Transformer(nnx.Module):
   def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
     `positions` restart RoPE per document. Routing still pools the whole row (sequence mode)."""
+    h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train)
+    return self.logits(h), aux
+
+  def logits(self, h):
+    """[B, L, V] float32 logits of final features (the tied head)."""
+    return constrain(self.embed.attend(h), "batch", None, "vocab")
+
+  def features(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
+    """(final-normed features [B, L, d], aux): the model up to the head, for losses that never hold
+    all logits at once."""
     del train  # sequence routing and dropout-free blocks behave the same; the loss decides on aux
     b, l = input_ids.shape
     if positions is None:
@@ -115,15 +125,14 @@ class Transformer(nnx.Module):
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
       mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    h = self.embed(input_ids)
+    h = constrain(self.embed(input_ids), "batch", None, None)
     banks = self.bank.memory[...] if self.bank is not None else None
     if self.plan.scanned:
       h, stats = self._scan(h, positions, mask, banks)
     else:
       h, stats = self.layers(h, positions, mask, banks, self.bank_ids)
       stats = _stack(stats) if stats else None
-    logits = self.embed.attend(self.final_norm(h))
-    return logits, self._aux(stats)
+    return self.final_norm(h), self._aux(stats)
 
   def _scan(self, h, positions, mask, banks):
     graphdef, state = nnx.split(self.layers)
@@ -133,7 +142,7 @@ class Transformer(nnx.Module):
       group_state, bank = xs
       group_banks = bank[None] if per_group_bank else banks
       h, stats = nnx.merge(graphdef, group_state)(h, positions, mask, group_banks, (0,))
-      return h, (stats[0] if stats else None)
+      return constrain(h, "batch", None, None), (stats[0] if stats else None)
 
     xs = (state, banks if per_group_bank else None)
     h, stats = jax.lax.scan(body, h, xs)

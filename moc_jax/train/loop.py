@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import moc_jax
 from moc_jax import checkpoint as ckpt_lib
@@ -33,17 +34,30 @@ class TrainingError(RuntimeError):
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits cleanly."""
+  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits cleanly.
+
+  Multi-process, the save is collective, so every process must stop at the same step whichever got the
+  signal: JAX's preemption service (started by jax.distributed.initialize; it catches SIGTERM itself, so no
+  Python handler here) agrees on that step.
+  """
 
   def __init__(self):
     self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._multihost = jax.process_count() > 1
+    self._previous = None if self._multihost else signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     self.requested = True
 
+  def check(self, step) -> bool:
+    """Whether to save and stop after `step`; call it at every step (the agreement protocol needs each)."""
+    if self._multihost:
+      self.requested = multihost_utils.reached_preemption_sync_point(step)
+    return self.requested
+
   def restore(self):
-    signal.signal(signal.SIGTERM, self._previous)
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
 
 def micro_batch_config(config):
@@ -101,8 +115,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming if it holds checkpoints); returns the last metrics."""
   os.makedirs(workdir, exist_ok=True)
   moc_jax._warn_if_not_causal(config)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  if jax.process_index() == 0:  # process 0 alone writes the workdir's files (metrics too: see _train)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     return _train(config, workdir, mesh)
@@ -133,7 +148,7 @@ def _train(config, workdir, mesh):
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
   _log_memory(config, abstract_state)
   throughput = Throughput(config)
-  writer = MetricsWriter(workdir, t.steps, start, t.progress)
+  writer = MetricsWriter(workdir, t.steps, start, t.progress) if jax.process_index() == 0 else _NoMetrics()
   batch_sharding = sharding.data_sharding(config, mesh)
   train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding)
   evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
@@ -160,10 +175,11 @@ def _train(config, workdir, mesh):
         writer.write({"step": step, "split": "validation", **evaluator(state["params"])})
         writer.plot()
         window.update(t0=time.time(), wait=0.0, steps=0)  # throughput counts training time only
-      if step % t.checkpoint_every == 0 or step == t.steps or preempt.requested:
+      stop = preempt.check(step)  # read once: a signal arriving after the save must not skip it
+      if step % t.checkpoint_every == 0 or step == t.steps or stop:
         checkpointer.save(step, state, data_iter)
         window.update(t0=time.time(), wait=0.0, steps=0)
-      if preempt.requested:
+      if stop:
         checkpointer.wait()
         log.warning("moc_jax: SIGTERM — checkpoint saved at step %d; re-run the same command to resume", step)
         break
@@ -174,6 +190,19 @@ def _train(config, workdir, mesh):
     checkpointer.close()
     writer.close()
   return last
+
+
+class _NoMetrics:
+  """Processes other than 0 of a multi-host run: process 0 alone writes metrics.jsonl, TensorBoard, loss.png."""
+
+  def write(self, row):
+    pass
+
+  def plot(self):
+    pass
+
+  def close(self):
+    pass
 
 
 def _check_nonfinite(step, consecutive, limit):
@@ -239,8 +268,9 @@ class Evaluator:
   """Validation CE over the eval split (and fact recall on moc_facts probes)."""
 
   def __init__(self, config, graphdef, p_shard, batch_sharding):
-    self.batches = list(data_lib.make_eval_batches(micro_batch_config(config), split="validation",
-                                                   max_batches=config.train.eval_batches))
+    d = micro_batch_config(config)
+    d.batch_size = config.train.batch_size * config.train.grad_accum  # global: all processes read the same rows
+    self.batches = list(data_lib.make_eval_batches(d, split="validation", max_batches=config.train.eval_batches))
     self.sharding = batch_sharding
     self.step = jax.jit(make_eval_step(graphdef), in_shardings=(p_shard, batch_sharding))
     self.probes = None
@@ -254,7 +284,9 @@ class Evaluator:
     nll, count = 0.0, 0
     for b in self.batches:
       b = {k: v for k, v in b.items() if k != "n_malformed"}
-      s, c = self.step(params, {k: jax.make_array_from_process_local_data(self.sharding, v) for k, v in b.items()})
+      # every process holds the whole global batch and hands each of its devices that device's rows
+      s, c = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding, lambda i, v=v: v[i])
+                                for k, v in b.items()})
       nll, count = nll + float(s), count + int(c)
     ce = nll / max(count, 1)
     out = {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}
