@@ -44,24 +44,29 @@ class Checkpointer:
   def latest_step(self):
     return self.manager.latest_step()
 
-  def save(self, step: int, state: dict, data_iter) -> None:
-    """`state` holds params, opt_state, rng and the counters step / skipped (saved as the `step` item)."""
+  def save(self, step: int, state: dict, data_iter=None) -> None:
+    """`state` holds params, opt_state, rng and the counters step / skipped (saved as the `step` item);
+    `data_iter` (a Grain iterator) is saved with them unless None."""
     view = _user_view(state, self.padding)
     items = {"params": view["params"], "opt_state": view["opt_state"], "rng": {"key": state["rng"]},
              "step": {"step": state["step"], "skipped": state["skipped"]}}
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
-    self.manager.save(step, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(data_iter), **args),
-                      force=True)
+    if data_iter is not None:
+      args["data_iter"] = grain.checkpoint.CheckpointSave(data_iter)
+    self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-  def restore(self, step: int, abstract_state: dict, data_iter) -> dict:
-    """Restores every item onto `abstract_state`'s shapes/shardings; `data_iter` is restored in place."""
+  def restore(self, step: int, abstract_state: dict, data_iter=None) -> dict:
+    """Restores every item onto `abstract_state`'s shapes/shardings (any mesh); `data_iter`, unless
+    None, is restored in place."""
     targets = {**_user_view_abstract(abstract_state, self.padding),
                "rng": {"key": abstract_state["rng"]},
                "step": {"step": abstract_state["step"], "skipped": abstract_state["skipped"]}}
     args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
+    if data_iter is not None:
+      _check_process_count(os.path.join(self.directory, str(step), "data_iter"))
+      args["data_iter"] = grain.checkpoint.CheckpointRestore(data_iter)
     try:
-      out = self.manager.restore(step, args=ocp.args.Composite(
-          data_iter=grain.checkpoint.CheckpointRestore(data_iter), **args))
+      out = self.manager.restore(step, args=ocp.args.Composite(**args))
     except (ValueError, KeyError, TypeError) as e:
       raise CheckpointError(f"checkpoint {self.directory} step {step} does not match this config ({e}); "
                             "use a fresh --workdir, or the config the run was started with "
@@ -75,6 +80,16 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _check_process_count(data_iter_dir):
+  """Each process saves its own data-iterator state: resuming needs the same process count."""
+  saved = {f.rsplit("-of-", 1)[-1].removesuffix(".json") for f in os.listdir(data_iter_dir)
+           if "-of-" in f} if os.path.isdir(data_iter_dir) else set()
+  if saved and saved != {str(jax.process_count())}:
+    raise CheckpointError(f"{data_iter_dir} was saved by {'/'.join(sorted(saved))} processes and this run has "
+                          f"{jax.process_count()}; resume with that many processes, or start a new workdir with "
+                          "--config.train.init_from=<this workdir> (weights only)")
 
 
 def _user_view(state, padding):

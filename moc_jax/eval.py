@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from moc_jax.losses import IGNORE, next_token_nll_rows
+from moc_jax.sharding import constrain
 
 ROW_MULTIPLE = 16  # pad lengths to a multiple of this so a few shapes cover all probes (few recompiles)
 
@@ -31,6 +32,11 @@ def _pad_rows(rows, pad_id, multiple=ROW_MULTIPLE):
 
 
 HEAD_DOCS = 10  # a fact is "head" if its entity has at least this many training documents
+
+
+def _everywhere(x):
+  """Replicated on the mesh, so every process of a multi-host run can read the result."""
+  return constrain(x, *([None] * x.ndim))
 
 
 def select_probes(probes, n, seed):
@@ -73,7 +79,7 @@ class ProbeEvaluator:
     def score(params, ids, mask, labels):
       logits, _ = nnx.merge(graphdef, params)(ids, mask, train=False)
       nll, count = next_token_nll_rows(logits, labels)
-      return -nll / jnp.maximum(count, 1)
+      return _everywhere(-nll / jnp.maximum(count, 1))
 
     @functools.partial(jax.jit, static_argnums=4)
     def greedy(params, ids, mask, starts, num_new):
@@ -87,7 +93,7 @@ class ProbeEvaluator:
         nxt = jnp.argmax(logits[rows, pos - 1], axis=-1).astype(ids.dtype)
         return ids.at[rows, pos].set(nxt), mask.at[rows, pos].set(1)
       ids, _ = jax.lax.fori_loop(0, num_new, body, (ids, mask))
-      return ids
+      return _everywhere(ids)
 
     self._score, self._greedy = score, greedy
 

@@ -93,6 +93,7 @@ def equivalence(names):
 
 
 def restore(workdir):
+  """Full state saved through the run's Checkpointer on data2_memory4, restored onto other meshes."""
   from moc_jax import checkpoint as ckpt_lib
   config = config_for("data2_memory4")
   mesh = sharding.make_mesh(config)
@@ -103,31 +104,26 @@ def restore(workdir):
                                sharding.data_sharding(config, mesh))
     for s in range(2):
       state, _ = step(state, jax.device_put(batch(config, s), sharding.data_sharding(config, mesh)))
-    saved = sharding.unpad_tree({k: state[k] for k in ("params", "opt_state")}, layout.padding)
-    saved = jax.tree.map(np.asarray, saved)
-    ck = ckpt_lib.Checkpointer(workdir, padding=layout.padding, async_save=False)
-
-    class NoIter:  # the data iterator item is exercised by the training tests
-      pass
-    ck.manager.save(2, args=__import__("orbax.checkpoint").checkpoint.args.Composite(
-        **{k: __import__("orbax.checkpoint").checkpoint.args.StandardSave(v) for k, v in
-           {"params": saved["params"], "opt_state": saved["opt_state"]}.items()}), force=True)
+    saved = jax.tree.map(np.asarray, sharding.unpad_tree({k: state[k] for k in ("params", "opt_state")},
+                                                         layout.padding))
+    ck = ckpt_lib.Checkpointer(workdir, padding=layout.padding)
+    ck.save(2, state)
     ck.close()
   for name in ("memory8", "fsdp8", "memory2_fsdp2_tensor2", "one_device"):
     cfg = config_for(name)
     m = sharding.make_mesh(cfg, devices_for(name))
     with sharding.activate(m, sharding.rules_of(cfg)):
       lay = loop.build_state(cfg, m)
-      params, _ = ckpt_lib.restore_params(workdir, lay.abstract["params"], padding=lay.padding)
-      assert params["bank"]["memory"].shape[1] == lay.padding.padded
-      back = sharding.unpad_tree(params, lay.padding)
+      ck = ckpt_lib.Checkpointer(workdir, padding=lay.padding)
+      got = ck.restore(2, lay.abstract)
+      ck.close()
+      bank = got["params"]["bank"]["memory"]
+      back = sharding.unpad_tree({k: got[k] for k in ("params", "opt_state")}, lay.padding)
       diff = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in
-                 zip(jax.tree.leaves(back), jax.tree.leaves(saved["params"])))
-      pad = params["bank"]["memory"][:, cfg.memory.num_chapters:]
-      print(json.dumps({"mesh": name, "max_abs_diff": diff, "padded": lay.padding.padded,
-                        "pad_is_zero": bool(np.all(np.asarray(pad) == 0)),
-                        "shard": list(params["bank"]["memory"].sharding.shard_shape(params["bank"]["memory"].shape))}),
-            flush=True)
+                 zip(jax.tree.leaves(back), jax.tree.leaves(saved)))
+      print(json.dumps({"mesh": name, "max_abs_diff": diff, "padded": lay.padding.padded, "step": int(got["step"]),
+                        "pad_is_zero": bool(np.all(np.asarray(bank[:, cfg.memory.num_chapters:]) == 0)),
+                        "shard": list(bank.sharding.shard_shape(bank.shape))}), flush=True)
 
 
 if __name__ == "__main__":

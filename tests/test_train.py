@@ -177,3 +177,16 @@ def test_init_from_loads_weights_with_fresh_optimizer_and_step(data_dir, tmp_pat
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   rows = [r for r in tu.read_metrics(tmp_path / "dst") if "split" not in r]
   assert [r["step"] for r in rows] == [1] and rows[0]["lr"] == 0.0
+
+
+def test_resume_with_another_process_count_is_refused_with_the_fix(tmp_path):
+  from moc_jax import checkpoint as ckpt_lib
+  d = tmp_path / "data_iter"
+  d.mkdir()
+  for i in range(2):
+    (d / f"process_{i}-of-2.json").write_text("{}")
+  with pytest.raises(ckpt_lib.CheckpointError, match="saved by 2 processes.*init_from"):
+    ckpt_lib._check_process_count(str(d))
+  (tmp_path / "one").mkdir()
+  (tmp_path / "one" / "process_0-of-1.json").write_text("{}")
+  ckpt_lib._check_process_count(str(tmp_path / "one"))
