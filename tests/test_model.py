@@ -210,3 +210,19 @@ def test_model_code_names_no_mesh_axes():
   hits = [f"{f.name}:{n}: {line.strip()}" for f in files
           for n, line in enumerate(f.read_text().splitlines(), 1) if MESH_NAMES.search(line)]
   assert not hits, hits
+
+
+def test_remat_works_on_a_model_merged_outside_a_jax_loop():
+  """Greedy decoding merges the model once and calls it in a fori_loop; remat must not mutate it."""
+  outs, ids = [], np.random.default_rng().integers(0, 260, (2, 16))
+  for remat in ("full", "none"):
+    cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.num_layers": 2, "memory.layer_indices": (1,),
+                                                      "model.remat": remat, "model.compute_dtype": "float32"})
+    graphdef, params = nnx.split(moc_jax.build_model(cfg, 0), nnx.Param)
+
+    def run(p, ids):
+      model = nnx.merge(graphdef, p)
+      return jax.lax.fori_loop(0, 2, lambda i, acc: acc + model(ids)[0], jnp.zeros((2, 16, 260)))
+
+    outs.append(np.asarray(jax.jit(run)(params, ids)))
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)

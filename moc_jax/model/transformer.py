@@ -69,8 +69,11 @@ class Group(nnx.Module):
   def _run(self, block, h, positions, mask, bank):
     if self.remat == "none":
       return block(h, positions, mask, bank)
-    fn = nnx.remat(lambda blk, *a: blk(*a), policy=_REMAT_POLICIES[self.remat])
-    return fn(block, h, positions, mask, bank)
+    # functional remat: the block is read-only here, and unlike nnx.remat this also works on a module
+    # merged outside an enclosing jax loop (e.g. greedy decoding in a fori_loop)
+    graphdef, state = nnx.split(block)
+    fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a), policy=_REMAT_POLICIES[self.remat])
+    return fn(state, h, positions, mask, bank)
 
 
 def _stack(stats_list):
