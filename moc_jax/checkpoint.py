@@ -124,8 +124,3 @@ def restore_params(directory: str, abstract_params, step: int | None = None, pad
   finally:
     manager.close()
   return _device_layout({"params": params}, {"params": abstract_params}, padding)["params"], step
-
-
-def abstract_of(tree):
-  """ShapeDtypeStruct tree (with shardings) of concrete arrays: a restore target."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)

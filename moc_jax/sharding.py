@@ -115,12 +115,22 @@ def data_sharding(config, mesh):
 
 
 def current(logical: str):
-  """(mesh axes of `logical`, abstract mesh) while tracing under `activate`; ((), None) otherwise."""
+  """(mesh axes of `logical` that split it, abstract mesh) while tracing under `activate`;
+  ((), None) otherwise."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return (), None
-  axes = tuple(a for a in mesh_axes_of(spmd.get_logical_axis_rules(), logical) if mesh.shape[a] > 1)
-  return axes, mesh
+  return _splitting(mesh, spmd.get_logical_axis_rules(), logical), mesh
+
+
+def _splitting(mesh, rules, logical):
+  return tuple(a for a in mesh_axes_of(rules, logical) if mesh.shape[a] > 1) if logical else ()
+
+
+def logical_spec(mesh, *logical) -> jax.P:
+  """PartitionSpec of logical names (None = not split) under the active rules, on `mesh`."""
+  rules = spmd.get_logical_axis_rules()
+  return jax.P(*[_splitting(mesh, rules, n) or None for n in logical])
 
 
 def constrain(x, *logical):
@@ -129,10 +139,7 @@ def constrain(x, *logical):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return x
-  rules = spmd.get_logical_axis_rules()
-  spec = jax.P(*[tuple(a for a in mesh_axes_of(rules, n) if mesh.shape[a] > 1) or None if n else None
-                 for n in logical])
-  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, logical_spec(mesh, *logical)))
 
 
 # --- chapter padding: device layout <-> user view --------------------------------------------------

@@ -21,9 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax.core import spmd
-
-from moc_jax.sharding import current, mesh_axes_of
+from moc_jax.sharding import current, logical_spec
 
 
 def read_chapters(bank, ids, strategy="auto"):
@@ -31,19 +29,12 @@ def read_chapters(bank, ids, strategy="auto"):
   chapter_axes, mesh = current("chapters")
   if not chapter_axes:
     return jnp.take(bank, ids, axis=0)
-  rules = spmd.get_logical_axis_rules()
-
-  def axes(name):
-    return tuple(a for a in mesh_axes_of(rules, name) if mesh.shape[a] > 1) if name else ()
-
-  def spec(*names):
-    return jax.P(*[axes(n) or None for n in names])
-
-  bank_spec, ids_spec = spec("chapters", "chapter_tokens", "bank_embed"), spec("batch", None)
-  if not set(chapter_axes) <= set(axes("batch")):
+  bank_spec = logical_spec(mesh, "chapters", "chapter_tokens", "bank_embed")
+  ids_spec = logical_spec(mesh, "batch", None)
+  if not set(chapter_axes) <= set(current("batch")[0]):
     raise ValueError(f"the bank's chapter axis is sharded over {chapter_axes}, which must also split "
                      "`batch` (config.logical_axis_rules)")
-  gathered = [(dim, axes(n)) for dim, n in ((1, "chapter_tokens"), (2, "bank_embed")) if axes(n)]
+  gathered = [(dim, bank_spec[dim]) for dim in (1, 2) if bank_spec[dim]]
 
   def local(bank_shard, ids_shard):
     for dim, split in gathered:  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)
@@ -52,7 +43,7 @@ def read_chapters(bank, ids, strategy="auto"):
     return (_scatter_take if scatter else _ring_take)(bank_shard, ids_shard, chapter_axes)
 
   return jax.shard_map(local, mesh=mesh, in_specs=(bank_spec, ids_spec),
-                       out_specs=spec("batch", None, None, None), check_vma=False)(bank, ids)
+                       out_specs=logical_spec(mesh, "batch", None, None, None), check_vma=False)(bank, ids)
 
 
 def _owned(ids, owner, per):
