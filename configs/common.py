@@ -96,7 +96,7 @@ def base_config():
   # Device mesh (see moc_jax/sharding.py): axis sizes, -1 = the remaining devices.
   c.mesh = config_dict.ConfigDict(dict(data=-1, memory=1, fsdp=1, tensor=1))
   # logical axis -> mesh axis / axes / None (replicated): the only place model axes meet mesh axes.
-  # The memory axis is a batch axis outside the memory read (as experts are in MoE expert parallelism).
+  # Outside the memory read the memory axis is a batch and FSDP axis (as experts are in MoE expert parallelism).
   c.logical_axis_rules = (
       ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
       ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),

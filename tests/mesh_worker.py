@@ -41,7 +41,7 @@ BASE = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len
 
 def config_for(name, extra=None):
   mesh = dict(MESHES[name])
-  if name == "one_device":
+  if name == "one_device":  # the reference runs on devices[:1]; validate() checks the mesh against that count
     mesh = {"mesh.data": 1, "num_fake_devices": 1}
   return moc_jax.load_config("configs/moc.py:tiny", {**BASE, **mesh, **(extra or {})})
 
