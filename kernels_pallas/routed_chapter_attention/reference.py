@@ -1,0 +1,34 @@
+"""The test oracle: gather every (token, slot) chapter's keys and values, then plain softmax attention.
+
+Materialises [B, L, S, T, Hkv, dh] keys and values — obviously correct, hopeless at scale.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine):
+  """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh]."""
+  b, l, h, dh = q.shape
+  hkv, s = k.shape[2], ids.shape[-1]
+  valid = ids >= 0
+  kg = jnp.take(k, jnp.maximum(ids, 0), axis=0)  # [B, L, S, T, Hkv, dh]
+  vg = jnp.take(v, jnp.maximum(ids, 0), axis=0)
+  qg = q.reshape(b, l, hkv, h // hkv, dh)
+  scores = jnp.einsum("blkgd,blstkd->blkgst", qg, kg, preferred_element_type=jnp.float32)
+  scores = scores * (logit_scale.astype(jnp.float32) / jnp.sqrt(jnp.float32(dh)))[:, :, None, None, :, None]
+  scores = jnp.where(valid[:, :, None, None, :, None], scores, NEG_INF)
+  if combine == "joint":
+    t = scores.shape[-1]
+    probs = jax.nn.softmax(scores.reshape(b, l, hkv, h // hkv, s * t), axis=-1).reshape(scores.shape)
+  elif combine == "moe":
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:
+    raise ValueError(f"combine must be 'joint' or 'moe', got {combine!r}")
+  weight = jnp.where(valid, value_scale.astype(jnp.float32), 0.0)[:, :, None, None, :, None]
+  out = jnp.einsum("blkgst,blstkd->blkgd", probs * weight, vg.astype(jnp.float32),
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, l, h, dh)
