@@ -23,6 +23,7 @@ test-slow: venv
 
 parity: venv
 	$(PY) -m moc_jax.parity tests/fixtures/moc_pt_paper_small.npz
+	$(PY) -m moc_jax.parity tests/fixtures/moc_pt_token_small.npz
 
 run: venv
 	$(PY) -m moc_jax.main --config=configs/moc.py:tiny --workdir=runs/tiny

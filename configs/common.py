@@ -61,7 +61,9 @@ def base_config():
   mem.token_norm = "rms"         # rms | layernorm | none : parameter-free norm of selected memory tokens
   mem.token_norm_eps = 1e-5
   mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
-  mem.routing = "sequence"       # sequence (MoC-PT's paper mode; not causal)
+  mem.routing = "sequence"       # sequence (MoC-PT's paper mode; NOT causal) | token | prefix | chunk (causal)
+  mem.routing_chunk = 64         # chunk routing: positions per routing decision
+  mem.attention_impl = "auto"    # token/prefix/chunk reads: auto | pallas | xla | reference (kernels_pallas)
   mem.init_std = 0.02
   mem.wo_init_zero = True
   mem.load_balance_coef = 0.01   # 0 disables the term

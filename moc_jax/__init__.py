@@ -9,7 +9,7 @@ import logging
 import numpy as np
 from flax import nnx
 
-from moc_jax.config import ConfigError, load_config, memory_layers, validate
+from moc_jax.config import ConfigError, load_config, routing_is_causal, validate
 
 __all__ = ["ConfigError", "build_model", "count_params", "load_config", "validate"]
 
@@ -17,7 +17,7 @@ log = logging.getLogger("moc_jax")
 
 
 def _warn_if_not_causal(config):
-  if memory_layers(config) and config.memory.routing == "sequence":
+  if not routing_is_causal(config):
     log.warning("moc_jax: memory.routing='sequence' is NOT causal: each position's chapters depend on "
                 "future tokens of its sequence (MoC-PT's paper mode, kept exact for parity).")
 

@@ -15,11 +15,28 @@ PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
-ROUTINGS = ("sequence",)
+ROUTINGS = ("sequence", "token", "prefix", "chunk")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def routing_is_causal(c) -> bool:
+  """Whether each position's output depends only on tokens at or before it (the backbone always is;
+  `sequence` routing pools the whole row, the other modes pool the past)."""
+  return not (c.memory.enabled and memory_layers(c) and c.memory.routing == "sequence")
+
+
+def routing_statement(c) -> str:
+  """One line for the training log: the routing mode and whether the run is causal."""
+  if not (c.memory.enabled and memory_layers(c)):
+    return "no memory layers: causal"
+  if routing_is_causal(c):
+    return f"memory.routing={c.memory.routing}: causal (no position reads chapters chosen from later tokens)"
+  return ("memory.routing=sequence: NOT causal (each row's chapters are chosen from all its tokens, "
+          "future ones included; MoC-PT's paper mode)")
 
 
 class ConfigError(ValueError):
@@ -116,8 +133,9 @@ def _validate_memory(c):
   _enum(c, "memory.token_norm", TOKEN_NORMS)
   _enum(c, "memory.routing", ROUTINGS)
   _enum(c, "memory.sharded_read", ("auto", "ring", "scatter"))
+  _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
   for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
-            "placement_k", "placement_n", "sharing_k", "token_norm_eps"):
+            "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk"):
     _positive(c, f"memory.{f}")
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef"):
     _positive(c, f"memory.{f}", allow_zero=True)

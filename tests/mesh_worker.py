@@ -1,7 +1,7 @@
 """Runs in its own process with 8 fake CPU devices (the test suite's processes keep one device).
 
-`python tests/mesh_worker.py equivalence` — loss and gradients of the tiny MoC model (float32) on
-several meshes against one device; prints one JSON line per mesh.
+`python tests/mesh_worker.py equivalence [MESH[@ROUTING] ...]` — loss and gradients of the tiny MoC
+model (float32) on several meshes against one device (same `memory.routing`); one JSON line per mesh.
 `python tests/mesh_worker.py restore DIR` — trains 2 steps on a data x memory mesh, saves, and
 restores the checkpoint onto other meshes and onto one device; prints the largest difference.
 """
@@ -40,14 +40,15 @@ BASE = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len
 
 
 def config_for(name, extra=None):
-  mesh = dict(MESHES[name])
+  name, _, routing = name.partition("@")
+  mesh = dict(MESHES[name], **({"memory.routing": routing} if routing else {}))
   if name == "one_device":  # the reference runs on devices[:1]; validate() checks the mesh against that count
-    mesh = {"mesh.data": 1, "num_fake_devices": 1}
+    mesh = {"mesh.data": 1, "num_fake_devices": 1, **{k: v for k, v in mesh.items() if k.startswith("memory.")}}
   return moc_jax.load_config("configs/moc.py:tiny", {**BASE, **mesh, **(extra or {})})
 
 
 def devices_for(name):
-  return jax.devices()[:1] if name == "one_device" else jax.devices()
+  return jax.devices()[:1] if name.partition("@")[0] == "one_device" else jax.devices()
 
 
 def batch(config, seed=0):
@@ -82,8 +83,12 @@ def loss_and_grads(name):
 def equivalence(names):
   import time
   t0 = time.time()
-  ref_loss, ref_grads, ref_params, _, _ = loss_and_grads("one_device")
+  refs = {}
   for name in names:
+    routing = name.partition("@")[2]
+    if routing not in refs:
+      refs[routing] = loss_and_grads("one_device" + ("@" + routing if routing else ""))
+    ref_loss, ref_grads, ref_params, _, _ = refs[routing]
     loss, grads, params, shard, padded = loss_and_grads(name)
     grad_err = {k: float(np.max(np.abs(grads[k] - ref_grads[k])) / (np.max(np.abs(ref_grads[k])) + 1e-30))
                 for k in ref_grads}

@@ -1,4 +1,4 @@
-"""A float64 numpy re-statement of MoC-PT's forward pass (sequence routing), used as a test oracle.
+"""A float64 numpy re-statement of MoC-PT's forward pass (sequence and token routing), used as a test oracle.
 
 It reads MoC-PT's own `model` / `memory` config dicts and state_dict key names (reference_spec.md
 §1.10, PyTorch Linear layout [out, in]) and shares no code with `moc_jax`, so agreement between the
@@ -7,14 +7,18 @@ against the PyTorch fixture (tests/test_mocpt_numpy_fixture.py).
 
 Covered: RMSNorm backbone, RoPE, GQA self-attention with causal + key-padding mask, SwiGLU, block
 variants A and B, every placement and sharing mode, shared + routed chapters, the parameter-free
-shared/routed token norm (rms | layernorm), memory GQA, memory_dim != hidden_dim, and the
-load-balance / z / auxiliary router losses. Anything else raises NotImplementedError.
+shared/routed token norm (rms | layernorm), memory GQA, memory_dim != hidden_dim, the
+load-balance / z / auxiliary router losses, and the routing strategies "sequence" and "token"
+(`routing_strategy_train` in train mode, `routing_strategy_inference` otherwise; the token path is
+MoC-PT's CPU route: dense shared branch + per-chapter routed attention, as in its emulated fallback).
+Anything else raises NotImplementedError.
 """
 from __future__ import annotations
 
 import numpy as np
 
 F64 = np.float64
+ROUTING_STRATEGIES = ("sequence", "token")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,9 +44,9 @@ def _check_supported(model_cfg: dict, memory_cfg: dict) -> None:
       "memory.use_chapters false": not memory_cfg.get("use_chapters", False),
       "memory.use_low_rank_memory": memory_cfg.get("use_low_rank_memory", False),
       "memory.use_low_rank_projections": memory_cfg.get("use_low_rank_projections", False),
-      "memory.routing_strategy_* != sequence": (
-          memory_cfg.get("routing_strategy_train", "sequence") != "sequence"
-          or memory_cfg.get("routing_strategy_inference", "sequence") != "sequence"),
+      "memory.routing_strategy_* not in (sequence, token)": (
+          memory_cfg.get("routing_strategy_train", "sequence") not in ROUTING_STRATEGIES
+          or memory_cfg.get("routing_strategy_inference", "sequence") not in ROUTING_STRATEGIES),
       "memory.quantize_memory": memory_cfg.get("quantize_memory", False),
   }
   bad = [k for k, v in unsupported.items() if v]
@@ -214,6 +218,20 @@ def _self_attention(x, s, p, r, attention_mask, use_rope):
   return _linear(out, s[p + "o_proj.weight"])
 
 
+def _router_losses(z, p, idx):
+  """MoC-PT `ChapterRouter._compute_losses` over the rows ("samples") of z / p [S, C], idx [S, k]."""
+  c = p.shape[-1]
+  one_hot = np.zeros((p.shape[0], c))
+  if idx.shape[-1]:
+    np.put_along_axis(one_hot, idx, 1.0, axis=-1)
+  f, big_p = one_hot.mean(0), p.mean(0)  # f: routed selections only (the shared chapters never count)
+  return {
+      "load_balance": c * np.sum(f * big_p),
+      "z_loss": np.mean(_logsumexp(z) ** 2),
+      "auxiliary": np.mean((np.mean(p * p, axis=0) - 1.0 / c) ** 2),
+  }
+
+
 def _route(h_in, s, m, mem_cfg):
   """Sequence routing from the layer input; returns chapter ids / mixing weights [B, s+k] and losses."""
   c = mem_cfg["num_chapters"]
@@ -233,14 +251,7 @@ def _route(h_in, s, m, mem_cfg):
   sorted_p = -np.sort(-masked, axis=-1)
   margin = float(np.min(np.log(sorted_p[:, k - 1] / sorted_p[:, k]))) if k < c - shared else np.inf
 
-  one_hot = np.zeros((p.shape[0], c))
-  np.put_along_axis(one_hot, idx, 1.0, axis=-1)
-  f, big_p = one_hot.mean(0), p.mean(0)
-  losses = {
-      "load_balance": c * np.sum(f * big_p),
-      "z_loss": np.mean(_logsumexp(z) ** 2),
-      "auxiliary": np.mean((np.mean(p * p, axis=0) - 1.0 / c) ** 2),
-  }
+  losses = _router_losses(z, p, idx)
   if shared > 0:
     ids = np.concatenate([np.broadcast_to(np.arange(shared), (p.shape[0], shared)), idx], axis=-1)
     raw = np.concatenate([np.ones((p.shape[0], shared)),
@@ -259,17 +270,21 @@ def _memory_tokens(bank, ids, weights, mem_cfg):
   shared_tokens = max(0, int(mem_cfg.get("num_shared_chapters", 0))) * tpc
   if (mem_cfg.get("normalize_shared_routed_before_mixing", False)
       and 0 < shared_tokens < mem.shape[1]):
-    eps = float(mem_cfg.get("shared_routed_norm_eps", 1e-6))
-    kind = mem_cfg.get("shared_routed_norm_type", "rms")
-    if kind == "rms":
-      mem = mem / np.sqrt(np.mean(mem * mem, axis=-1, keepdims=True) + eps)
-    elif kind == "layernorm":
-      mu = mem.mean(-1, keepdims=True)
-      var = np.mean((mem - mu) ** 2, axis=-1, keepdims=True)
-      mem = (mem - mu) / np.sqrt(var + eps)
-    else:
-      raise ValueError(f"unknown shared_routed_norm_type {kind!r}")
+    mem = _token_norm(mem, mem_cfg)
   return mem * np.repeat(weights, tpc, axis=-1)[..., None]
+
+
+def _token_norm(mem, mem_cfg):
+  """The parameter-free per-vector shared/routed norm (applied alike to both slices)."""
+  eps = float(mem_cfg.get("shared_routed_norm_eps", 1e-6))
+  kind = mem_cfg.get("shared_routed_norm_type", "rms")
+  if kind == "rms":
+    return mem / np.sqrt(np.mean(mem * mem, axis=-1, keepdims=True) + eps)
+  if kind == "layernorm":
+    mu = mem.mean(-1, keepdims=True)
+    var = np.mean((mem - mu) ** 2, axis=-1, keepdims=True)
+    return (mem - mu) / np.sqrt(var + eps)
+  raise ValueError(f"unknown shared_routed_norm_type {kind!r}")
 
 
 def _memory_attention(x, mem, s, p, r):
@@ -284,6 +299,70 @@ def _memory_attention(x, mem, s, p, r):
   attn = _softmax(q @ k.transpose(0, 1, 3, 2) * hd ** -0.5)  # one joint softmax, no mask, no RoPE
   out = (attn @ v).transpose(0, 2, 1, 3).reshape(b, l, heads * hd)
   return _linear(out, s[p + "o_proj.weight"])
+
+
+def _route_token(h_in, s, m, mem_cfg):
+  """Token routing (MoC-PT `ChapterRouter.route_token_level`) from the layer input.
+
+  Returns routed chapter ids (global, shared excluded) and their top-k weights, both [B, L, k], the
+  router losses over the B*L positions (pads included) and the top-k logit margin.
+  """
+  b, l, _ = h_in.shape
+  c = mem_cfg["num_chapters"]
+  shared = max(0, min(int(mem_cfg.get("num_shared_chapters", 0)), c))
+  z = _linear(h_in, s[f"routers.{m}.router.weight"]) + s[f"routers.{m}.router.bias"]  # [B, L, C]
+  p = _softmax(z)
+  k = min(int(mem_cfg["top_k_chapters"]), c - shared)
+  if k <= 0:
+    ids = np.zeros((b, l, 0), np.int64)
+    weights = np.zeros((b, l, 0))
+    margin = np.inf
+  else:
+    routed = p[..., shared:]
+    routed = routed / routed.sum(-1, keepdims=True)
+    local = np.argsort(-routed, axis=-1, kind="stable")[..., :k]
+    w = np.take_along_axis(routed, local, axis=-1)
+    weights = w / w.sum(-1, keepdims=True)
+    ids = local + shared
+    sorted_p = -np.sort(-routed, axis=-1)
+    margin = float(np.min(np.log(sorted_p[..., k - 1] / sorted_p[..., k]))) if k < c - shared else np.inf
+  losses = _router_losses(z.reshape(b * l, c), p.reshape(b * l, c), ids.reshape(b * l, -1))
+  return ids, weights, losses, margin
+
+
+def _token_routed_memory_attention(x, bank, ids, weights, s, p, r, mem_cfg):
+  """MoC-PT `_forward_token_routed_attention` (weighted, emulated path), then W_o.
+
+  out = Attn(q, shared rows) + routed_scaling_factor * sum_i w_i Attn(q, chapter_i rows): the shared
+  chapters form one dense joint softmax, every selected routed chapter its own softmax; the memory
+  rows are not multiplied by any weight. The token norm applies to the whole bank when there are
+  both shared and routed rows. No attention mask: every position (pads too) reads memory.
+  """
+  b, l, _ = x.shape
+  n = bank.shape[0]
+  heads, kv, hd = r["mem_heads"], r["mem_kv"], r["mem_hd"]
+  g = heads // kv
+  tpc = n // mem_cfg["num_chapters"]
+  shared = max(0, min(int(mem_cfg.get("num_shared_chapters", 0)), mem_cfg["num_chapters"]))
+  shared_rows = shared * tpc
+  mem = bank
+  if mem_cfg.get("normalize_shared_routed_before_mixing", False) and 0 < shared_rows < n:
+    mem = _token_norm(mem, mem_cfg)
+  q = _linear(x, s[p + "q_proj.weight"]).reshape(b, l, heads, hd)
+  keys = np.repeat(_linear(mem, s[p + "k_proj.weight"]).reshape(n, kv, hd), g, axis=1)  # [N, H, hd]
+  values = np.repeat(_linear(mem, s[p + "v_proj.weight"]).reshape(n, kv, hd), g, axis=1)
+  out = np.zeros((b, l, heads, hd))
+  if shared_rows > 0:
+    attn = _softmax(np.einsum("blhd,nhd->blhn", q, keys[:shared_rows]) * hd ** -0.5)
+    out = out + np.einsum("blhn,nhd->blhd", attn, values[:shared_rows])
+  if shared_rows < n and ids.shape[-1] > 0 and tpc > 0:
+    routed = np.zeros((b, l, heads, hd))
+    for i in range(ids.shape[-1]):
+      rows = ids[..., i, None] * tpc + np.arange(tpc)  # [B, L, T] global bank rows of chapter i
+      attn = _softmax(np.einsum("blhd,blthd->blht", q, keys[rows]) * hd ** -0.5)
+      routed = routed + weights[..., i, None, None] * np.einsum("blht,blthd->blhd", attn, values[rows])
+    out = out + float(mem_cfg.get("routed_scaling_factor", 1.0)) * routed  # scaled even with no shared chapter
+  return _linear(out.reshape(b, l, heads * hd), s[p + "o_proj.weight"])
 
 
 def next_token_ce(logits, labels):
@@ -306,8 +385,11 @@ def mocpt_forward(model_cfg: dict, memory_cfg: dict, state: dict, input_ids, att
 
   labels default to input_ids with -100 where attention_mask == 0. aux_loss is the router loss
   MoC-PT adds in train mode (mean over memory layers of the enabled, weighted terms); it is 0.0
-  when train is False. With return_info, a fourth value carries per-memory-layer chapter ids,
-  weights, raw losses and the top-k logit margin (how far routing is from a tie).
+  when train is False. The routing strategy is `routing_strategy_train` when train is True, else
+  `routing_strategy_inference`. With return_info, a fourth value carries per-memory-layer chapter
+  ids, weights, raw losses and the top-k logit margin (how far routing is from a tie): for
+  "sequence" ids / weights are [B, s+k] with the shared chapters first and the mixed weights; for
+  "token" they are [B, L, k], routed chapters only (global ids) and their top-k weights.
   """
   _check_supported(model_cfg, memory_cfg)
   s = {k: np.asarray(v, F64) for k, v in state.items()}
@@ -323,13 +405,19 @@ def mocpt_forward(model_cfg: dict, memory_cfg: dict, state: dict, input_ids, att
   banks = bank_assignments(model_cfg, memory_cfg)
 
   h = s["embed_tokens.weight"][input_ids]
-  info = {"layers": [], "ids": [], "weights": [], "losses": [], "margin": []}
+  strategy = memory_cfg.get("routing_strategy_train" if train else "routing_strategy_inference", "sequence")
+  info = {"layers": [], "ids": [], "weights": [], "losses": [], "margin": [], "strategy": strategy}
   for i in range(model_cfg["num_layers"]):
     p = f"layers.{i}."
     mem = None
     if i in mem_layers:
-      ids, weights, losses, margin = _route(h, s, i, memory_cfg)
-      mem = _memory_tokens(s[f"memory_banks.{banks[i]}.base_bank.memory"], ids, weights, memory_cfg)
+      bank = s[f"memory_banks.{banks[i]}.base_bank.memory"]
+      if strategy == "token":
+        ids, weights, losses, margin = _route_token(h, s, i, memory_cfg)
+        mem = (bank, ids, weights)
+      else:
+        ids, weights, losses, margin = _route(h, s, i, memory_cfg)
+        mem = _memory_tokens(bank, ids, weights, memory_cfg)
       for key, val in zip(("layers", "ids", "weights", "losses", "margin"), (i, ids, weights, losses, margin)):
         info[key].append(val)
     h = h + _self_attention(_rms_norm(h, s[p + "input_layernorm.weight"], eps), s, p + "self_attn.", r,
@@ -337,6 +425,8 @@ def mocpt_forward(model_cfg: dict, memory_cfg: dict, state: dict, input_ids, att
 
     def memory_step(h):
       x = _rms_norm(h, s[p + "memory_layernorm.weight"], eps)
+      if strategy == "token":
+        return h + _token_routed_memory_attention(x, *mem, s, p + "memory_attn.", r, memory_cfg)
       return h + _memory_attention(x, mem, s, p + "memory_attn.", r)
 
     def mlp_step(h, norm="post_attention_layernorm", mlp="mlp"):

@@ -47,7 +47,7 @@ REJECTIONS = [
     ("unknown_sharing", {"memory.sharing": "global"}, "memory.sharing"),
     ("unknown_block_variant", {"memory.block_variant": "C"}, "memory.block_variant"),
     ("unknown_token_norm", {"memory.token_norm": "batchnorm"}, "memory.token_norm"),
-    ("unknown_routing", {"memory.routing": "token"}, "memory.routing"),
+    ("unknown_routing", {"memory.routing": "rolling"}, "memory.routing"),
     ("unknown_compute_dtype", {"model.compute_dtype": "float8"}, "model.compute_dtype"),
     ("unknown_param_dtype", {"model.param_dtype": "int8"}, "model.param_dtype"),
     ("unknown_remat", {"model.remat": "selective"}, "model.remat"),

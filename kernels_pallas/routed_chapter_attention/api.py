@@ -10,7 +10,9 @@ Contract (shared by every implementation):
                         where a chapter weight scales its keys and values);
                "moe":   a softmax per slot, outputs summed (token routing).
 Query head h reads kv head h // (H / Hkv). Returns float32 [B, L, H, dh]; a token whose slots are all
-empty gets zeros.
+empty gets zeros. `return_lse` (joint only) also returns the float32 log-sum-exp [B, L, H] of the joint
+logits (-1e30 where every slot is empty), differentiable, so that partial results over disjoint chapter
+sets (a sharded bank) merge exactly.
 
 `implementation`: "reference" (gathered oracle), "xla" (never gathers keys per (token, slot)),
 "pallas" (TPU Mosaic / GPU kernels, interpret mode on CPU), "auto" (pallas on TPU/GPU, xla elsewhere).
@@ -41,17 +43,20 @@ def check_shapes(q, k, v, ids, logit_scale, value_scale, combine):
 
 
 def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, *, combine="joint",
-                             implementation="auto", interpret=None):
+                             implementation="auto", interpret=None, return_lse=False):
   check_shapes(q, k, v, ids, logit_scale, value_scale, combine)
+  if return_lse and combine != "joint":
+    raise ValueError("return_lse is defined for combine='joint' only")
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "auto":
     implementation = "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
   if implementation == "reference":
-    return reference.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine)
+    return reference.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse)
   if implementation == "xla":
     from kernels_pallas.routed_chapter_attention import xla
-    return xla.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine)
+    return xla.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse=return_lse)
   from kernels_pallas.routed_chapter_attention import pallas
   return pallas.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine,
-                                         interpret=jax.default_backend() == "cpu" if interpret is None else interpret)
+                                         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
+                                         return_lse=return_lse)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine):
-  """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh]."""
+def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse=False):
+  """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh] (and, with
+  `return_lse`, the joint logits' log-sum-exp [B, L, H])."""
   b, l, h, dh = q.shape
   hkv, s = k.shape[2], ids.shape[-1]
   valid = ids >= 0
@@ -22,8 +23,9 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine):
   scores = scores * (logit_scale.astype(jnp.float32) / jnp.sqrt(jnp.float32(dh)))[:, :, None, None, :, None]
   scores = jnp.where(valid[:, :, None, None, :, None], scores, NEG_INF)
   if combine == "joint":
-    t = scores.shape[-1]
-    probs = jax.nn.softmax(scores.reshape(b, l, hkv, h // hkv, s * t), axis=-1).reshape(scores.shape)
+    flat = scores.reshape(b, l, hkv, h // hkv, -1)
+    probs = jax.nn.softmax(flat, axis=-1).reshape(scores.shape)
+    lse = jnp.where(jnp.any(valid, -1)[:, :, None, None], jax.nn.logsumexp(flat, axis=-1), NEG_INF)
   elif combine == "moe":
     probs = jax.nn.softmax(scores, axis=-1)
   else:
@@ -31,4 +33,9 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine):
   weight = jnp.where(valid, value_scale.astype(jnp.float32), 0.0)[:, :, None, None, :, None]
   out = jnp.einsum("blkgst,blstkd->blkgd", probs * weight, vg.astype(jnp.float32),
                    preferred_element_type=jnp.float32)
-  return out.reshape(b, l, h, dh)
+  out = out.reshape(b, l, h, dh)
+  if return_lse:
+    if combine != "joint":
+      raise ValueError("return_lse is defined for combine='joint' only")
+    return out, lse.reshape(b, l, h)
+  return out

@@ -14,6 +14,14 @@ the n devices sharing it":
   accumulator that ends on the shard's owner. Traffic ~ the bank; resident: two shards + selection.
 
 `auto` takes `scatter` when a device's requests (batch x slots) are fewer than a shard's chapters.
+
+Per-position routing (`routed_attention`) never moves the bank: keys and values are projected where
+the chapters live, and the routed attention runs as expert parallelism over chapters. The queries of
+the n devices sharing a bank are all-gathered, each device attends with the chapters it owns (other
+slots empty) and the partial results return by reduce-scatter — summed (per-slot softmax) or merged by
+log-sum-exp (joint softmax). Sending every query to every owner is the right dispatch here: with S
+slots per token over n shards a token misses a shard with probability ~(1 - 1/n)^S (2e-4 for S = 64,
+n = 8), so a ragged all-to-all would move the same bytes with more bookkeeping.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from kernels_pallas.routed_chapter_attention import routed_chapter_attention
 from moc_jax.sharding import current, logical_spec
 
 
@@ -44,6 +54,42 @@ def read_chapters(bank, ids, strategy="auto"):
 
   return jax.shard_map(local, mesh=mesh, in_specs=(bank_spec, ids_spec),
                        out_specs=logical_spec(mesh, "batch", None, None, None), check_vma=False)(bank, ids)
+
+
+def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, implementation="auto"):
+  """`routed_chapter_attention` (q [B,L,H,dh], k/v [C,T,Hkv,dh], ids/scales [B,L,S]) on the active mesh.
+
+  Without a mesh: one call. With one: a shard_map per device (a Pallas call cannot be partitioned by
+  GSPMD); when `chapters` is split, expert parallelism as described above.
+  """
+  call = functools.partial(routed_chapter_attention, combine=combine, implementation=implementation)
+  chapter_axes, mesh = current("chapters")
+  if mesh is None:
+    return call(q, k, v, ids, logit_scale, value_scale)
+  q_spec = logical_spec(mesh, "batch", None, "heads", None)
+  kv_spec = logical_spec(mesh, "chapters", "chapter_tokens", "kv", None)
+  slot_spec = logical_spec(mesh, "batch", None, None)
+  if chapter_axes and not set(chapter_axes) <= set(current("batch")[0]):
+    raise ValueError(f"the bank's chapter axis is sharded over {chapter_axes}, which must also split "
+                     "`batch` (config.logical_axis_rules)")
+
+  def local(q, k, v, ids, ls, vs):
+    if not chapter_axes:
+      return call(q, k, v, ids, ls, vs)
+    gather = lambda x: jax.lax.all_gather(x, chapter_axes, axis=0, tiled=True)  # noqa: E731
+    q, ids, ls, vs = map(gather, (q, ids, ls, vs))
+    local_ids, hit = _owned(ids, jax.lax.axis_index(chapter_axes), k.shape[0])
+    local_ids = jnp.where(hit & (ids >= 0), local_ids, -1)
+    scatter = lambda x: jax.lax.psum_scatter(x, chapter_axes, scatter_dimension=0, tiled=True)  # noqa: E731
+    if combine == "moe":
+      return scatter(call(q, k, v, local_ids, ls, vs))
+    out, lse = call(q, k, v, local_ids, ls, vs, return_lse=True)
+    w = jnp.exp(lse - jax.lax.pmax(jax.lax.stop_gradient(lse), chapter_axes))  # [B', L, H]
+    total = scatter(w)[..., None]
+    return scatter(out * w[..., None]) / jnp.where(total > 0, total, 1.0)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, slot_spec, slot_spec, slot_spec),
+                       out_specs=q_spec, check_vma=False)(q, k, v, ids, logit_scale, value_scale)
 
 
 def _owned(ids, owner, per):

@@ -1,9 +1,20 @@
-"""The memory read: chaptered bank, sequence router (top-k + aux losses), chapter mixing and
-memory cross-attention — exactly as MoC-PT's paper path (reference_spec.md §1.3–§1.7, §3).
+"""The memory read: chaptered bank, router (top-k + aux losses), chapter mixing and memory
+cross-attention (reference_spec.md §1.3–§1.7, §2.2, §3).
 
-Order inside a memory layer: route on the *layer input* (before any norm) -> gather the shared
-chapters then the routed ones -> parameter-free token norm -> scale every token by its chapter
-weight -> K/V projections -> one joint softmax over all selected tokens -> zero-initialised W_o.
+`memory.routing` picks what a routing decision sees:
+* `sequence` — MoC-PT's paper mode, exact: one decision per row on the mean of every position (pads
+  and future tokens included, so NOT causal). Route on the *layer input* -> gather the shared chapters
+  then the routed ones -> parameter-free token norm -> scale every token by its chapter weight -> K/V
+  projections -> one joint softmax over all selected tokens -> zero-initialised W_o.
+* `token` — MoC-PT's token mode: every position routes on its own layer input; shared chapters are
+  read by their own attention (weight 1), each routed chapter by its own softmax, summed with weights
+  `routed_scaling_factor * w`.
+* `prefix` — causal sequence mode: position t routes on the mean of the non-pad inputs at <= t.
+* `chunk` — block-causal: positions of chunk j (`routing_chunk` long) route on the mean of the non-pad
+  inputs before the chunk (chunk 0 on the router bias alone).
+`prefix` and `chunk` mix chapters as `sequence` does (weights scale keys and values, one softmax).
+The per-position modes project the (normalised) bank's keys and values once per layer call and read
+them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
 """
 from __future__ import annotations
 
@@ -11,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.model.chapter_read import read_chapters
+from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
+
+CAUSAL_ROUTINGS = ("token", "prefix", "chunk")
 
 
 class ChapterBank(nnx.Module):
@@ -35,33 +48,41 @@ class ChapterBank(nnx.Module):
 
 
 def route(logits, num_shared, top_k):
-  """MoC-PT sequence routing on router logits [B, C] (float32).
+  """MoC-PT routing on router logits [..., C] (float32), one decision per leading index.
 
-  Returns (probs [B,C] over all chapters, routed ids [B,k] in chapter space sorted by descending
-  probability, routed weights [B,k] = softmax restricted to the selected set).
+  Returns (probs [...,C] over all chapters, routed ids [...,k] in chapter space sorted by descending
+  probability, routed weights [...,k] = softmax restricted to the selected set).
   MoC-PT renormalises probabilities twice (drop shared, keep top-k); that equals top-k on the routed
   logits and a softmax over the selected ones, which we compute directly: it stays finite when the
   shared chapter takes all the probability mass (the load-balance loss's degenerate minimum), where
   the renormalisation divides 0 by 0.
   """
   logits = logits.astype(jnp.float32)
-  top_logits, top_idx = jax.lax.top_k(logits[:, num_shared:], top_k)
+  top_logits, top_idx = jax.lax.top_k(logits[..., num_shared:], top_k)
   return jax.nn.softmax(logits, axis=-1), top_idx + num_shared, jax.nn.softmax(top_logits, axis=-1)
 
 
 def mix_weights(routed_weights, num_shared, scaling):
   """Chapter weights for [shared..., routed...]: raw [1,...,f*w...] divided by their sum (§1.5)."""
-  b = routed_weights.shape[0]
-  raw = jnp.concatenate([jnp.ones((b, num_shared), routed_weights.dtype), scaling * routed_weights], axis=-1)
+  ones = jnp.ones(routed_weights.shape[:-1] + (num_shared,), routed_weights.dtype)
+  raw = jnp.concatenate([ones, scaling * routed_weights], axis=-1)
   return raw / jnp.sum(raw, axis=-1, keepdims=True)
+
+
+def with_shared(routed_ids, num_shared):
+  """Chapter list [shared 0..s-1, routed...] for every decision."""
+  shared = jnp.arange(num_shared, dtype=routed_ids.dtype)
+  return jnp.concatenate([jnp.broadcast_to(shared, routed_ids.shape[:-1] + (num_shared,)), routed_ids], -1)
 
 
 def router_losses(logits, probs, routed_ids):
   """Per-layer router statistics (§3): Switch load-balance (quirks kept), z-loss, MSE aux, entropy.
 
-  f counts routed selections only, so shared chapters have f = 0 while P still includes them.
+  Every routing decision (a row, a position or a chunk) is one sample. f counts routed selections
+  only, so shared chapters have f = 0 while P still includes them.
   """
   c = probs.shape[-1]
+  logits, probs, routed_ids = (x.reshape(-1, x.shape[-1]) for x in (logits, probs, routed_ids))
   f = jnp.mean(jnp.sum(jax.nn.one_hot(routed_ids, c, dtype=jnp.float32), axis=1), axis=0)
   f = jax.lax.stop_gradient(f)
   p_mean = jnp.mean(probs, axis=0)
@@ -85,6 +106,32 @@ def normalize_tokens(x, kind, eps):
   return x
 
 
+def routing_input(h, valid, routing, chunk):
+  """What each routing decision sees, from the layer input h [B, L, d] and non-pad mask valid [B, L]:
+  sequence [B, d] (plain mean, pads included, as MoC-PT), token [B, L, d] (h itself), prefix [B, L, d]
+  (masked mean of positions <= t), chunk [B, ceil(L/chunk), d] (masked mean before the chunk; zeros
+  for chunk 0, so the router sees its bias alone)."""
+  h = h.astype(jnp.float32)
+  if routing == "sequence":
+    return jnp.mean(h, axis=1)
+  if routing == "token":
+    return h
+  w = jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
+  total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
+  if routing == "chunk":  # sums up to the position before each chunk start
+    before = jnp.arange(0, h.shape[1], chunk) - 1
+    total = jnp.where(before[None, :, None] >= 0, jnp.take(total, jnp.maximum(before, 0), axis=1), 0.0)
+    count = jnp.where(before[None, :, None] >= 0, jnp.take(count, jnp.maximum(before, 0), axis=1), 0.0)
+  return total / jnp.maximum(count, 1.0)
+
+
+def per_position(x, routing, chunk, length):
+  """Decisions [B, D, ...] -> [B, length, ...]: chunk decisions repeat over their chunk's positions."""
+  if routing == "chunk":
+    return jnp.repeat(x, chunk, axis=1)[:, :length]
+  return x
+
+
 class Router(nnx.Module):
   """One linear router per memory layer over all C chapters (bias included, as MoC-PT)."""
 
@@ -92,9 +139,9 @@ class Router(nnx.Module):
     self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapter_logits"),
                       jnp.dtype(cfg.model.compute_dtype), rngs, bias=True)
 
-  def __call__(self, h):
-    """Sequence routing: plain mean over every position (pads and future tokens included)."""
-    return self.proj(jnp.mean(h.astype(jnp.float32), axis=1)).astype(jnp.float32)
+  def __call__(self, pooled):
+    """Logits [..., C] (float32) of routing inputs [..., d] (see `routing_input`)."""
+    return self.proj(pooled).astype(jnp.float32)
 
 
 class MemoryCrossAttention(nnx.Module):
@@ -112,27 +159,38 @@ class MemoryCrossAttention(nnx.Module):
     self.v = dense(mem_dim, kv, m.init_std, ("embed", "kv"), dt, rngs)
     self.o = dense(m.d_model, m.d_model, 0.0 if mem.wo_init_zero else m.init_std, ("heads", "embed"), dt, rngs)
 
+  def queries(self, x):
+    """[B, L, d] (normed) -> [B, L, H, dh]."""
+    return self.q(x).reshape(x.shape[:2] + (self.num_heads, self.head_dim))
+
+  def keys_values(self, tokens):
+    """Memory tokens [..., N, mem_dim] -> keys, values [..., N, Hkv, dh]."""
+    shape = tokens.shape[:-1] + (self.num_kv_heads, self.head_dim)
+    return self.k(tokens).reshape(shape), self.v(tokens).reshape(shape)
+
+  def output(self, heads, dtype):
+    """Attention result [B, L, H, dh] -> W_o -> [B, L, d]."""
+    return self.o(heads.reshape(heads.shape[:2] + (-1,)).astype(dtype))
+
   def __call__(self, x, tokens):
     """x [B, L, d] (normed), tokens [B, N, mem_dim] already normalised and chapter-weighted."""
-    b, l, _ = x.shape
-    n = tokens.shape[1]
-    q = self.q(x).reshape(b, l, self.num_heads, self.head_dim)
-    k = self.k(tokens).reshape(b, n, self.num_kv_heads, self.head_dim)
-    v = self.v(tokens).reshape(b, n, self.num_kv_heads, self.head_dim)
-    return self.o(attention(q, k, v).astype(x.dtype))
+    k, v = self.keys_values(tokens)
+    return self.o(attention(self.queries(x), k, v).astype(x.dtype))
 
 
 class MemoryLayer(nnx.Module):
   """Router + memory norm + cross-attention for one memory layer.
 
   `route_input` is the layer input (the residual stream before the block's norms); `x` is the
-  residual stream at the point the block reads memory.
+  residual stream at the point the block reads memory; `valid` [B, L] marks non-pad positions.
   """
 
   def __init__(self, cfg, rngs):
     mem = cfg.memory
     self.num_shared, self.top_k = mem.num_shared, mem.top_k
     self.scaling = mem.routed_scaling_factor
+    self.routing, self.chunk = mem.routing, mem.routing_chunk
+    self.attention_impl = mem.attention_impl
     # MoC-PT skips the token norm when there are no shared chapters (or no routed ones).
     self.token_norm = mem.token_norm if mem.num_shared > 0 else "none"
     self.token_norm_eps = mem.token_norm_eps
@@ -141,21 +199,45 @@ class MemoryLayer(nnx.Module):
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
-  def select(self, route_input, bank):
-    """Routes and gathers. bank [C, T, dm] -> (tokens [B, (s+k)*T, dm], chapters, weights, stats)."""
-    logits = self.router(route_input)
+  def decide(self, route_input, valid):
+    """Router logits -> (routed ids, routed weights) per decision, and the router statistics."""
+    logits = self.router(routing_input(route_input, valid, self.routing, self.chunk))
     probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k)
-    b = logits.shape[0]
-    chapters = jnp.concatenate(
-        [jnp.broadcast_to(jnp.arange(self.num_shared, dtype=routed_ids.dtype), (b, self.num_shared)), routed_ids], -1)
-    weights = mix_weights(routed_w, self.num_shared, self.scaling)
+    return routed_ids, routed_w, router_losses(logits, probs, routed_ids)
+
+  def select(self, route_input, bank):
+    """Sequence mode: routes and gathers. bank [C, T, dm] -> (tokens [B, (s+k)*T, dm], stats)."""
+    routed_ids, routed_w, stats = self.decide(route_input, None)
+    chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
     sel = read_chapters(bank, chapters, self.sharded_read)  # [B, s+k, T, dm]
     sel = normalize_tokens(sel.astype(jnp.float32), self.token_norm, self.token_norm_eps)
     sel = sel * weights[:, :, None, None]
-    stats = router_losses(logits, probs, routed_ids)
     stats.update(chapters=chapters, weights=weights)
-    return sel.reshape(b, -1, sel.shape[-1]), stats
+    return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
-  def __call__(self, h, route_input, bank):
-    tokens, stats = self.select(route_input, bank)
-    return self.attn(self.norm(h), tokens), stats
+  def __call__(self, h, route_input, bank, valid=None):
+    if self.routing == "sequence":
+      tokens, stats = self.select(route_input, bank)
+      return self.attn(self.norm(h), tokens), stats
+    return self.read_per_position(h, route_input, bank, valid)
+
+  def read_per_position(self, h, route_input, bank, valid):
+    """token / prefix / chunk routing: each position reads its own chapters."""
+    routed_ids, routed_w, stats = self.decide(route_input, valid)
+    q = self.attn.queries(self.norm(h))
+    k, v = self.attn.keys_values(normalize_tokens(bank, self.token_norm, self.token_norm_eps))  # [C, T, Hkv, dh]
+    read = lambda ids, ls, vs, combine: routed_attention(  # noqa: E731
+        q, k, v, *(per_position(x, self.routing, self.chunk, h.shape[1]) for x in (ids, ls, vs)),
+        combine=combine, implementation=self.attention_impl)
+    if self.routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
+      out = read(routed_ids, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
+      if self.num_shared:
+        ks, vs = (x[:self.num_shared].reshape((1, -1) + x.shape[2:]) for x in (k, v))
+        out = out + attention(q, *(jnp.broadcast_to(x, (q.shape[0],) + x.shape[1:]) for x in (ks, vs))
+                              ).reshape(out.shape)
+      chapters, weights = routed_ids, routed_w
+    else:
+      chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
+      out = read(chapters, weights, weights, "joint")
+    stats.update(chapters=chapters, weights=weights)
+    return self.attn.output(out, h.dtype), stats

@@ -32,14 +32,14 @@ class Block(nnx.Module):
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
 
-  def __call__(self, h, positions, mask, bank):
+  def __call__(self, h, positions, mask, valid, bank):
     route_input = h  # routing reads the layer input, before any norm (MoC-PT)
     h = h + self.attn(self.attn_norm(h), positions, mask)
     stats = None
     if self.variant == "B":
       h = h + self.mlp(self.mlp_norm(h))
     if self.memory is not None:
-      out, stats = self.memory(h, route_input, bank)
+      out, stats = self.memory(h, route_input, bank, valid)
       h = h + out
     if self.variant == "B":
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
@@ -55,25 +55,25 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
     self.remat = cfg.model.remat
 
-  def __call__(self, h, positions, mask, banks, bank_of):
+  def __call__(self, h, positions, mask, valid, banks, bank_of):
     stats, mem_i = [], 0
     for block in self.blocks:
       bank = None
       if block.memory is not None:
         bank, mem_i = banks[bank_of[mem_i]], mem_i + 1
-      h, s = self._run(block, h, positions, mask, bank)
+      h, s = self._run(block, h, positions, mask, valid, bank)
       if s is not None:
         stats.append(s)
     return h, stats
 
-  def _run(self, block, h, positions, mask, bank):
+  def _run(self, block, h, positions, mask, valid, bank):
     if self.remat == "none":
-      return block(h, positions, mask, bank)
+      return block(h, positions, mask, valid, bank)
     # functional remat: the block is read-only here, and unlike nnx.remat this also works on a module
     # merged outside an enclosing jax loop (e.g. greedy decoding in a fori_loop)
     graphdef, state = nnx.split(block)
     fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a), policy=_REMAT_POLICIES[self.remat])
-    return fn(state, h, positions, mask, bank)
+    return fn(state, h, positions, mask, valid, bank)
 
 
 def _stack(stats_list):
@@ -108,7 +108,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
-    `positions` restart RoPE per document. Routing still pools the whole row (sequence mode)."""
+    `positions` restart RoPE per document. Routing pools over the row (`memory.routing`), not per document."""
     h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train)
     return self.logits(h), aux
 
@@ -124,6 +124,7 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(l), (b, l))
     mask = jnp.tril(jnp.ones((l, l), bool))[None, None]
+    valid = None if attention_mask is None else attention_mask.astype(bool)
     if attention_mask is not None:
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
@@ -131,20 +132,20 @@ class Transformer(nnx.Module):
     h = constrain(self.embed(input_ids), "batch", None, None)
     banks = self.bank.memory[...] if self.bank is not None else None
     if self.plan.scanned:
-      h, stats = self._scan(h, positions, mask, banks)
+      h, stats = self._scan(h, positions, mask, valid, banks)
     else:
-      h, stats = self.layers(h, positions, mask, banks, self.bank_ids)
+      h, stats = self.layers(h, positions, mask, valid, banks, self.bank_ids)
       stats = _stack(stats) if stats else None
     return self.final_norm(h), self._aux(stats)
 
-  def _scan(self, h, positions, mask, banks):
+  def _scan(self, h, positions, mask, valid, banks):
     graphdef, state = nnx.split(self.layers)
     per_group_bank = banks is not None and banks.shape[0] > 1  # per_layer sharing: bank g <-> group g
 
     def body(h, xs):
       group_state, bank = xs
       group_banks = bank[None] if per_group_bank else banks
-      h, stats = nnx.merge(graphdef, group_state)(h, positions, mask, group_banks, (0,))
+      h, stats = nnx.merge(graphdef, group_state)(h, positions, mask, valid, group_banks, (0,))
       return constrain(h, "batch", None, None), (stats[0] if stats else None)
 
     xs = (state, banks if per_group_bank else None)

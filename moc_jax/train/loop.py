@@ -22,6 +22,7 @@ import moc_jax
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
 from moc_jax import sharding
+from moc_jax.config import routing_statement
 from moc_jax.train import optim
 from moc_jax.train.metrics import MetricsWriter
 from moc_jax.train.step import make_eval_step, make_train_step
@@ -129,6 +130,7 @@ def _train(config, workdir, mesh):
   graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
   log.warning("moc_jax: mesh %s over %d devices (%d processes)%s", dict(mesh.shape), mesh.size, jax.process_count(),
               f"; bank chapters padded {layout.padding.real} -> {layout.padding.padded}" if layout.padding.active else "")
+  log.warning("moc_jax: %s", routing_statement(config))
   data_cfg = micro_batch_config(config)
   data_iter = data_lib.make_train_iterator(data_cfg, process_index=jax.process_index(),
                                            process_count=jax.process_count())

@@ -1,0 +1,239 @@
+"""The XLA routed chapter attention against the gathered reference (outputs and gradients), the joint
+log-sum-exp against float64 numpy, the reference itself against float64 numpy, and a compiled-memory check
+that nothing of the gathered size N·S·T·Hkv·dh is ever allocated. Inputs are fresh random draws each run;
+the seed is in every assertion message."""
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.routed_chapter_attention import api, reference, xla
+
+GRAD_NAMES = ("q", "k", "v", "logit_scale", "value_scale")
+
+
+def _rng():
+  seed = np.random.SeedSequence().entropy
+  return np.random.default_rng(seed), seed
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _ids(rng, b, l, s, c, pattern):
+  """random: any chapter, ~20% empty slots, token (0, 0) all empty; duplicates: 3 chapters for >3 slots;
+  one_chapter: every slot of every token on one chapter; unused: 3 chapters of many, some empty slots."""
+  if pattern == "one_chapter":
+    return np.full((b, l, s), rng.integers(c), np.int32)
+  if pattern == "duplicates":
+    ids = rng.integers(0, 3, (b, l, s))
+  elif pattern == "unused":
+    ids = rng.choice(rng.choice(c, 3, replace=False), (b, l, s))
+  else:
+    ids = rng.integers(0, c, (b, l, s))
+  ids = np.where(rng.random((b, l, s)) < 0.2, -1, ids)
+  ids[0, 0] = -1
+  return ids.astype(np.int32)
+
+
+def _inputs(rng, b, l, h, hkv, dh, c, t, s, pattern):
+  """float32 q, k, v, ids, logit_scale (some exactly 0), value_scale and an output cotangent."""
+  ls = rng.uniform(0.2, 2.0, (b, l, s)) * (rng.random((b, l, s)) > 0.1)
+  return dict(q=rng.normal(size=(b, l, h, dh)).astype(np.float32),
+              k=rng.normal(size=(c, t, hkv, dh)).astype(np.float32),
+              v=rng.normal(size=(c, t, hkv, dh)).astype(np.float32),
+              ids=_ids(rng, b, l, s, c, pattern),
+              logit_scale=ls.astype(np.float32),
+              value_scale=rng.uniform(0.2, 2.0, (b, l, s)).astype(np.float32),
+              g=rng.normal(size=(b, l, h, dh)).astype(np.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "combine", "block"))
+def _out_and_grads(q, k, v, ids, logit_scale, value_scale, g, *, impl, combine, block=None):
+  if impl == "xla":
+    f = functools.partial(xla.routed_chapter_attention, block_tokens=block)
+  else:
+    f = reference.routed_chapter_attention
+  out, vjp = jax.vjp(lambda q, k, v, ls, vs: f(q, k, v, ids, ls, vs, combine), q, k, v, logit_scale, value_scale)
+  return out, vjp(g)
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def _lse_out_and_grads(q, k, v, ids, logit_scale, value_scale, g, g_lse, *, block):
+  f = functools.partial(xla.routed_chapter_attention, combine="joint", block_tokens=block, return_lse=True)
+  (out, lse), vjp = jax.vjp(lambda q, k, v, ls, vs: f(q, k, v, ids, ls, vs), q, k, v, logit_scale, value_scale)
+  return out, lse, vjp((g, g_lse))
+
+
+def _numpy64(q, k, v, ids, logit_scale, value_scale, combine):
+  """Gathered float64 attention: output [B,L,H,dh], joint log-sum-exp [B,L,H] (-inf if all empty), the
+  probabilities [B,L,Hkv,G,S,T], and the gathered pieces the lse gradient needs."""
+  q, k, v, ls, vs = (np.asarray(x, np.float64) for x in (q, k, v, logit_scale, value_scale))
+  b, l, h, dh = q.shape
+  hkv, t, s = k.shape[2], k.shape[1], ids.shape[-1]
+  valid = (ids >= 0)[:, :, None, None, :, None]
+  kg, vg = k[np.maximum(ids, 0)], v[np.maximum(ids, 0)]
+  qg = q.reshape(b, l, hkv, h // hkv, dh)
+  raw = np.einsum("blkgd,blstkd->blkgst", qg, kg) / math.sqrt(dh)
+  z = np.where(valid, raw * ls[:, :, None, None, :, None], -np.inf)
+  axes = (-2, -1) if combine == "joint" else (-1,)
+  m = z.max(axis=axes, keepdims=True)
+  e = np.exp(z - np.where(np.isfinite(m), m, 0.0))
+  den = e.sum(axis=axes, keepdims=True)
+  p = e / np.where(den > 0, den, 1.0)
+  w = np.where(valid, vs[:, :, None, None, :, None], 0.0)
+  out = np.einsum("blkgst,blstkd->blkgd", p * w, vg).reshape(b, l, h, dh)
+  with np.errstate(divide="ignore"):
+    lse = (m + np.log(den)).reshape(b, l, h) if combine == "joint" else None
+  return out, lse, p, dict(qg=qg, kg=kg, raw=raw, ls=ls)
+
+
+def _numpy64_lse_grads(ids, c, p, qg, kg, raw, ls, g_lse):
+  """d(Σ g_lse·lse) for q, k, logit_scale: dz = g_lse·p, z = ls·q·k/sqrt(dh)."""
+  b, l, hkv, grp, s, t = p.shape
+  dh = qg.shape[-1]
+  dz = g_lse.reshape(b, l, hkv, grp)[..., None, None] * p
+  dzs = dz * ls[:, :, None, None, :, None] / math.sqrt(dh)
+  dq = np.einsum("blkgst,blstkd->blkgd", dzs, kg).reshape(b, l, hkv * grp, dh)
+  dk = np.zeros((c,) + kg.shape[3:])
+  valid = ids >= 0
+  np.add.at(dk, ids[valid], np.einsum("blkgst,blkgd->blstkd", dzs, qg)[valid])
+  dls = np.einsum("blkgst,blkgst->bls", dz, raw)
+  return dq, dk, dls
+
+
+SHAPES = {  # name: (B, L, H, Hkv, dh, C, T, S, block_tokens); blocks do not divide N = B·L
+    "gqa": (2, 9, 4, 2, 8, 40, 5, 4, 4),
+    "mha": (1, 13, 3, 3, 16, 40, 7, 5, 5),
+}
+PATTERNS = ("random", "duplicates", "one_chapter", "unused")
+
+
+def _args(x, names=("q", "k", "v", "ids", "logit_scale", "value_scale", "g")):
+  return [jnp.asarray(x[n]) for n in names]
+
+
+@pytest.mark.parametrize("combine", ["joint", "moe"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_xla_matches_reference_float32(shape, combine):
+  """Each id pattern reuses the shape's compiled programs (ids are data)."""
+  *dims, block = SHAPES[shape]
+  for pattern in PATTERNS:
+    rng, seed = _rng()
+    x = _inputs(rng, *dims, pattern)
+    ids = x["ids"]
+    out, grads = _out_and_grads(*_args(x), impl="xla", combine=combine, block=block)
+    ref_out, ref_grads = _out_and_grads(*_args(x), impl="reference", combine=combine)
+    msg = f"shape={shape} combine={combine} ids={pattern} seed={seed}"
+    assert out.dtype == jnp.float32 and out.shape == x["q"].shape, msg
+    assert _rel(out, ref_out) <= 1e-5, f"output rel err {_rel(out, ref_out):.2e} {msg}"
+    for name, a, r in zip(GRAD_NAMES, grads, ref_grads):
+      assert a.dtype == r.dtype and bool(jnp.all(jnp.isfinite(a))), f"d{name} {msg}"
+      assert _rel(a, r) <= 1e-5, f"d{name} rel err {_rel(a, r):.2e} {msg}"
+    empty = np.all(ids < 0, axis=-1)
+    assert np.all(np.asarray(out)[empty] == 0) and np.all(np.asarray(grads[0])[empty] == 0), msg
+    unread = np.setdiff1d(np.arange(x["k"].shape[0]), ids[ids >= 0])
+    assert np.all(np.asarray(grads[1])[unread] == 0) and np.all(np.asarray(grads[2])[unread] == 0), msg
+
+
+@pytest.mark.parametrize("combine", ["joint", "moe"])
+def test_xla_bfloat16_within_1e2_of_float32_reference(combine):
+  rng, seed = _rng()
+  *dims, block = SHAPES["gqa"]
+  x = _inputs(rng, *dims, "random")
+  bf = {n: jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v")}
+  common = _args(x, ("ids", "logit_scale", "value_scale", "g"))
+  out, grads = _out_and_grads(bf["q"], bf["k"], bf["v"], *common, impl="xla", combine=combine, block=block)
+  ref_out, ref_grads = _out_and_grads(*(bf[n].astype(jnp.float32) for n in ("q", "k", "v")), *common,
+                                      impl="reference", combine=combine)
+  msg = f"combine={combine} seed={seed}"
+  assert out.dtype == jnp.float32 and _rel(out, ref_out) <= 1e-2, f"output rel err {_rel(out, ref_out):.2e} {msg}"
+  for name, a, r in zip(GRAD_NAMES, grads, ref_grads):
+    assert a.dtype == (jnp.bfloat16 if name in bf else jnp.float32), f"d{name} dtype {a.dtype} {msg}"
+    assert _rel(a, r) <= 1e-2, f"d{name} rel err {_rel(a, r):.2e} {msg}"
+
+
+def test_xla_lse_value_and_gradient_match_numpy64():
+  rng, seed = _rng()
+  *dims, block = SHAPES["gqa"]
+  b, l, h, c = dims[0], dims[1], dims[2], dims[5]
+  x = _inputs(rng, *dims, "random")
+  g_lse = rng.normal(size=(b, l, h)).astype(np.float32)
+  out, lse, grads = _lse_out_and_grads(*_args(x), jnp.asarray(g_lse), block=block)
+  _, ref_grads = _out_and_grads(*_args(x), impl="reference", combine="joint")
+  out64, lse64, p, parts = _numpy64(*(x[n] for n in ("q", "k", "v", "ids", "logit_scale", "value_scale")), "joint")
+  dq, dk, dls = _numpy64_lse_grads(x["ids"], c, p, g_lse=g_lse, **parts)
+  msg = f"seed={seed}"
+  empty = np.all(x["ids"] < 0, axis=-1)
+  assert lse.dtype == jnp.float32 and np.all(np.asarray(lse)[empty] <= -1e29), msg
+  assert _rel(np.asarray(lse)[~empty], lse64[~empty]) <= 1e-6, f"lse rel err {msg}"
+  assert _rel(out, out64) <= 1e-5, f"output rel err {msg}"
+  expected = [ref_grads[0] + dq, ref_grads[1] + dk, ref_grads[2], ref_grads[3] + dls, ref_grads[4]]
+  for name, a, e in zip(GRAD_NAMES, grads, expected):
+    assert _rel(a, e) <= 1e-5, f"d{name} rel err {_rel(a, e):.2e} {msg}"
+  with pytest.raises(ValueError, match="joint"):
+    xla.routed_chapter_attention(*_args(x)[:6], "moe", return_lse=True)
+
+
+@pytest.mark.parametrize("combine", ["joint", "moe"])
+def test_reference_matches_numpy64(combine):
+  rng, seed = _rng()
+  x = _inputs(rng, *SHAPES["gqa"][:-1], "random")
+  out, _ = _out_and_grads(*_args(x), impl="reference", combine=combine)
+  out64 = _numpy64(*(x[n] for n in ("q", "k", "v", "ids", "logit_scale", "value_scale")), combine)[0]
+  assert _rel(out, out64) <= 1e-5, f"combine={combine} seed={seed}"
+
+
+def test_api_auto_on_cpu_runs_xla():
+  rng, seed = _rng()
+  x = _inputs(rng, *SHAPES["gqa"][:-1], "random")
+  got = jax.jit(functools.partial(api.routed_chapter_attention, combine="moe", implementation="auto"))(*_args(x)[:6])
+  want, _ = _out_and_grads(*_args(x), impl="reference", combine="moe")
+  assert _rel(got, want) <= 1e-5, f"seed={seed}"
+
+
+def _largest_array(hlo_text):
+  """Element count of the largest array shape named anywhere in an HLO module's text."""
+  dims = re.findall(r"\b(?:pred|[suf]\d+|bf16)\[([\d,]*)\]", hlo_text)
+  return max(math.prod(int(d) for d in ds.split(",") if d) for ds in dims)
+
+
+def _compiled(fn, args):
+  """(temp bytes, largest array's element count) of jit(fn) compiled for `args`."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled.memory_analysis().temp_size_in_bytes, _largest_array(compiled.as_text())
+
+
+def test_xla_never_allocates_gathered_keys():
+  """At a shape where the gathered N·S·T·Hkv·dh dwarfs everything else, the compiled forward and
+  forward+backward hold no array that large and a fraction of its bytes in scratch; the reference's
+  forward (the check's own sanity test) holds both."""
+  b, l, h, hkv, dh, c, t, s = 2, 128, 4, 2, 16, 64, 32, 32
+  gathered = b * l * s * t * hkv * dh  # elements; float32 bytes are 4x
+  sd = jax.ShapeDtypeStruct
+  args = (sd((b, l, h, dh), jnp.float32), sd((c, t, hkv, dh), jnp.float32), sd((c, t, hkv, dh), jnp.float32),
+          sd((b, l, s), jnp.int32), sd((b, l, s), jnp.float32), sd((b, l, s), jnp.float32))
+
+  def loss(f, combine):
+    return lambda q, k, v, ids, ls, vs: jnp.sum(f(q, k, v, ids, ls, vs, combine))
+
+  for combine in ("joint", "moe"):
+    fwd = loss(xla.routed_chapter_attention, combine)
+    for fn in (fwd, jax.value_and_grad(fwd, argnums=(0, 1, 2, 4, 5))):
+      temp, largest = _compiled(fn, args)
+      assert largest < gathered and temp < gathered, (combine, largest, temp, gathered)
+  temp, largest = _compiled(loss(reference.routed_chapter_attention, "joint"), args)
+  assert largest >= gathered and temp >= 4 * gathered, ("reference", largest, temp, gathered)
+
+
+def test_default_block_keeps_slot_gather_modest():
+  """At the 262k shape (N=8192, T=64, Hkv=12, dh=64) a float32 [block, T, Hkv, dh] stays <= 64 MB."""
+  block = xla.default_block_tokens(8192, 64, 12, 64)
+  assert 1 <= block <= 8192 and block * 64 * 12 * 64 * 4 <= 64 << 20
+  assert xla.default_block_tokens(10, 64, 12, 64) == 10
