@@ -133,22 +133,54 @@ def selected_tokens(c) -> int:
   return (mem.num_shared + mem.top_k) * (mem.num_tokens // mem.num_chapters)
 
 
+def _router(c, b, l):
+  """Router and its statistics. Sequence routing: one decision per row (§5.2). Per-position routing
+  (not in MoC-PT's estimator; our count): one decision per position (token, prefix) or per chunk,
+  pooled by a cumulative masked sum (prefix, chunk: a sum and a count per position, a divide per
+  decision)."""
+  mem, d = c.memory, c.model.d_model
+  if mem.routing == "sequence":
+    decisions, pool = b, mean_pool(b, l, d)
+  else:
+    decisions = b * (l if mem.routing != "chunk" else -(-l // mem.routing_chunk))
+    pool = Flops(0) if mem.routing == "token" else Flops(b * l * (d + 1) + decisions * d)
+  return ({"pool": pool, "linear": linear(decisions, d, mem.num_chapters),
+           "softmax": softmax(decisions * mem.num_chapters), "top_k": top_k(decisions, mem.num_chapters, mem.top_k)},
+          router_aux(decisions, mem.num_chapters, mem.top_k))
+
+
 def _memory_extra(c, b, l):
   """What a memory layer adds to a standard one: router, aux, preprocessing, memory attention,
-  its norm and residual; variant B also a norm, a second MLP and a residual."""
+  its norm and residual; variant B also a norm, a second MLP and a residual.
+
+  Per-position routing normalises and projects the whole bank once per call (shared by the `b`
+  rows), then every position attends its own chapters; the chapter weights scale scores and
+  probabilities instead of memory tokens."""
   m, mem = c.model, c.memory
-  t, d, chapters = b * l, m.d_model, mem.num_chapters
+  t, d = b * l, m.d_model
   d_mem = mem.dim or d
-  n = b * selected_tokens(c)
+  kv_dim = mem.num_kv_heads * (d // mem.num_heads)
   normed = mem.token_norm != "none" and mem.num_shared > 0 and mem.top_k > 0  # MoC-PT skips it otherwise
+  norm = _TOKEN_NORMS[mem.token_norm] if normed else (lambda n, d: Flops(0))
+  router, aux = _router(c, b, l)
+  if mem.routing == "sequence":
+    n = b * selected_tokens(c)
+    preprocessing = {"weighting": per_element(n, d_mem), "token_norm": norm(n, d_mem)}
+    attention = _attention(b, l, selected_tokens(c), d, mem.num_heads, kv_dim, d_mem)
+  else:
+    bank_tokens = mem.num_tokens
+    per_score = t * mem.num_heads * selected_tokens(c)
+    preprocessing = {"weighting": Flops(2 * per_score if mem.routing != "token"
+                                        else per_score * mem.top_k // (mem.num_shared + mem.top_k) + t * d),
+                     "token_norm": norm(bank_tokens, d_mem)}
+    attention = {"q": linear(t, d, d), "k": linear(bank_tokens, d_mem, kv_dim), "v": linear(bank_tokens, d_mem, kv_dim),
+                 "o": linear(t, d, d), "scores": attention_matmuls(b, l, selected_tokens(c), d),
+                 "softmax": score_elementwise(b, mem.num_heads, l, selected_tokens(c))}
   extra = {
-      "router": {"pool": mean_pool(b, l, d), "linear": linear(b, d, chapters), "softmax": softmax(b * chapters),
-                 "top_k": top_k(b, chapters, mem.top_k)},
-      "router_aux": router_aux(b, chapters, mem.top_k),
-      "preprocessing": {"weighting": per_element(n, d_mem),
-                        "token_norm": _TOKEN_NORMS[mem.token_norm](n, d_mem) if normed else Flops(0)},
-      "attention": _attention(b, l, selected_tokens(c), d, mem.num_heads,
-                              mem.num_kv_heads * (d // mem.num_heads), d_mem),
+      "router": router,
+      "router_aux": aux,
+      "preprocessing": preprocessing,
+      "attention": attention,
       "norm": rms_norm(t, d),
       "residual": per_element(t, d),
   }
@@ -226,12 +258,15 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
 
 
 def model_flops_per_token(config, seq_len=None) -> float:
-  """Training FLOPs per token for MFU: forward + backward of one sequence, no recompute, over its length.
+  """Training FLOPs per token for MFU: forward + backward, no recompute, over the tokens.
 
   Memory counts only the chapters read, so MFU reflects the work the model needs, not the bank size.
+  Sequence routing: one sequence. Per-position routing projects the bank once per micro-batch, so
+  that projection is shared by the micro-batch's `train.batch_size` sequences.
   """
-  e = estimate(config, 1, seq_len, recompute=False)
-  return e["train"]["micro_step"] / e["seq_len"]
+  batch = 1 if config.memory.routing == "sequence" or not memory_layers(config) else config.train.batch_size
+  e = estimate(config, batch, seq_len, recompute=False)
+  return e["train"]["micro_step"] / (e["seq_len"] * batch)
 
 
 def _table(e, config, per_token) -> str:

@@ -233,3 +233,20 @@ def test_cli_json_with_override():
   e = json.loads(out)
   extra_mlp = T * (4 * D + 4) + 3 * 2 * T * D * 2304 + 5 * T * 2304 + T * D
   assert e["forward"]["total"] == 459_171_802_488 + 4 * extra_mlp
+
+
+@pytest.mark.parametrize("routing", ["token", "prefix", "chunk"])
+def test_per_position_routing_counts_the_bank_projection_once_per_call(routing):
+  """Hand counts on the tiny model (d 64, 65 chapters x 16 tokens, 4 heads, 1 shared + top-8)."""
+  c = moc_jax.load_config("configs/moc.py:tiny", {"memory.routing": routing, "memory.routing_chunk": 32})
+  b, l, d, bank, chapters = 3, 100, 64, 65 * 16, 65
+  one, two = (flops.estimate(c, n, l)["memory_layer"]["memory"] for n in (b, 2 * b))
+  assert one["attention"]["k"] == one["attention"]["v"] == 2 * bank * d * d == two["attention"]["k"]
+  assert one["preprocessing"]["token_norm"] == bank * (4 * d + 4) == two["preprocessing"]["token_norm"]
+  assert one["attention"]["scores"] == 4 * b * l * 9 * 16 * d  # every position reads (1 + 8) chapters
+  decisions = {"token": b * l, "prefix": b * l, "chunk": b * 4}[routing]  # ceil(100 / 32) = 4 chunks
+  assert one["router"]["linear"] == 2 * decisions * d * chapters
+  # model FLOPs per token: the bank projection is shared by the micro-batch's rows
+  per_row = flops.model_flops_per_token(moc_jax.load_config("configs/moc.py:tiny", {"memory.routing": routing,
+                                                                                    "train.batch_size": 1}))
+  assert flops.model_flops_per_token(c) < per_row
