@@ -226,9 +226,11 @@ class MemoryLayer(nnx.Module):
     routed_ids, routed_w, stats = self.decide(route_input, valid)
     q = self.attn.queries(self.norm(h))
     k, v = self.attn.keys_values(normalize_tokens(bank, self.token_norm, self.token_norm_eps))  # [C, T, Hkv, dh]
-    read = lambda ids, ls, vs, combine: routed_attention(  # noqa: E731
-        q, k, v, *(per_position(x, self.routing, self.chunk, h.shape[1]) for x in (ids, ls, vs)),
-        combine=combine, implementation=self.attention_impl)
+
+    def read(ids, logit_scale, value_scale, combine):
+      slots = (per_position(x, self.routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
+      return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
+
     if self.routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
       out = read(routed_ids, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
       if self.num_shared:
