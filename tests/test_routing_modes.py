@@ -159,3 +159,27 @@ def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback
   for (path, gx), (_, gp) in zip(nnx.to_flat_state(grads_x), nnx.to_flat_state(grads_p)):
     gx, gp = np.asarray(gx[...]), np.asarray(gp[...])
     assert np.linalg.norm(gp - gx) <= 1e-5 * max(np.linalg.norm(gx), 1e-12), (path, seed)
+
+
+@pytest.mark.parametrize("routing", ["token", "chunk"])
+def test_small_calls_project_only_the_chapters_they_name(routing):
+  """Fewer (decision, slot) pairs than chapters -> only the distinct chapters named are projected;
+  the result equals projecting the whole bank."""
+  seed = _seed()
+  cfg = _cfg(**{"memory.routing": routing, "memory.routing_chunk": 4, "memory.attention_impl": "reference"})
+  model = moc_jax.build_model(cfg, seed=seed)
+  causality._redraw_zeros(model, seed + 1)
+  stacked, bank = model.layers.blocks[1].memory, model.bank.memory[...][0]  # scanned: group 0's layer
+  layer = nnx.merge(nnx.graphdef(stacked), jax.tree.map(lambda x: x[0], nnx.state(stacked)))
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.normal(size=(1, 6, 64)).astype(np.float32))  # 6 positions x 8 slots < 65 chapters
+  small, _ = layer(h, h, bank)
+  pairs = (6 if routing == "token" else 2) * 8
+  assert pairs < bank.shape[0]
+  k, v, ids = layer.keys_values_in_use(bank, jnp.zeros((pairs,), jnp.int32))
+  assert k.shape[0] == pairs  # the small path was taken
+  full_k, full_v, _ = layer.keys_values_in_use(bank, jnp.zeros((bank.shape[0],), jnp.int32))
+  assert full_k.shape[0] == bank.shape[0]
+  # the same layer forced onto the whole bank: repeat the 6 positions so the call names >= 65 pairs
+  big, _ = layer(jnp.tile(h, (12, 1, 1)), jnp.tile(h, (12, 1, 1)), bank)
+  np.testing.assert_allclose(np.asarray(small[0]), np.asarray(big[0]), rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")

@@ -24,6 +24,7 @@ from flax import nnx
 
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
+from moc_jax.sharding import current
 
 CAUSAL_ROUTINGS = ("token", "prefix", "chunk")
 
@@ -221,22 +222,36 @@ class MemoryLayer(nnx.Module):
       return self.attn(self.norm(h), tokens), stats
     return self.read_per_position(h, route_input, bank, valid)
 
+  def keys_values_in_use(self, bank, ids):
+    """Keys and values [U, T, Hkv, dh] of the chapters `ids` may name, and `ids` re-indexed into them.
+
+    U = every chapter, projected once per call, unless the call names fewer (decision, slot) pairs
+    than the bank has chapters (decoding, small batches) and the bank is not sharded: then only the
+    distinct chapters named are gathered and projected.
+    """
+    if ids.size < bank.shape[0] and not current("chapters")[0]:
+      used, inverse = jnp.unique(ids.reshape(-1), size=ids.size, fill_value=0, return_inverse=True)
+      bank, ids = jnp.take(bank, used, axis=0), inverse.reshape(ids.shape).astype(ids.dtype)
+    k, v = self.attn.keys_values(normalize_tokens(bank, self.token_norm, self.token_norm_eps))
+    return k, v, ids
+
   def read_per_position(self, h, route_input, bank, valid):
     """token / prefix / chunk routing: each position reads its own chapters."""
     routed_ids, routed_w, stats = self.decide(route_input, valid)
     q = self.attn.queries(self.norm(h))
-    k, v = self.attn.keys_values(normalize_tokens(bank, self.token_norm, self.token_norm_eps))  # [C, T, Hkv, dh]
 
     def read(ids, logit_scale, value_scale, combine):
+      k, v, ids = self.keys_values_in_use(bank, ids)
       slots = (per_position(x, self.routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
       return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
 
     if self.routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
       out = read(routed_ids, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
       if self.num_shared:
-        ks, vs = (x[:self.num_shared].reshape((1, -1) + x.shape[2:]) for x in (k, v))
-        out = out + attention(q, *(jnp.broadcast_to(x, (q.shape[0],) + x.shape[1:]) for x in (ks, vs))
-                              ).reshape(out.shape)
+        shared = normalize_tokens(bank[:self.num_shared], self.token_norm, self.token_norm_eps)
+        ks, vs = self.attn.keys_values(jnp.broadcast_to(shared.reshape(1, -1, shared.shape[-1]),
+                                                        (q.shape[0], shared.shape[0] * shared.shape[1], shared.shape[-1])))
+        out = out + attention(q, ks, vs).reshape(out.shape)
       chapters, weights = routed_ids, routed_w
     else:
       chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
