@@ -8,7 +8,8 @@ import math
 import jax
 import pytest
 
-from moc_jax.bench import bank_scaling, common, cpu_peak, moc_vs_vanilla, peaks, train_mfu, xla_vs_analytic
+from moc_jax.bench import (bank_scaling, common, cpu_peak, moc_vs_vanilla, peaks, routed_attention, train_mfu,
+                           xla_vs_analytic)
 
 TINY = "configs/moc.py:tiny"
 SEQ32 = ["--set", "data.seq_len=32", "--set", "model.max_seq_len=32"]
@@ -73,6 +74,29 @@ def test_xla_vs_analytic(capsys):
   assert r["pass"], r["relative"]  # tiny's forward is as close to the estimator as the paper model's
   assert r["xla_forward_scanned"] < r["xla_forward"]  # the loop body is counted once
   assert set(r["components"]) == {"self_attention", "mlp", "memory", "head"}
+
+
+def test_routed_attention(capsys):
+  # The timed part on tiny's memory layer at 2 x 32 tokens (4 compiles), and one compile-only variant.
+  r = _run(routed_attention, ["--small_only", "--small_batch_size=2", "--small_seq_len=32", "--rounds=1",
+                              "--calls_per_round=2", "--warmup=1"], capsys)
+  small = r["small"]
+  assert "large" not in r and set(small["variants"]) == {"naive", "sequence", "token_xla", "prefix_xla"}
+  assert small["shape"]["tokens"] == 64 and small["shape"]["top_k"] == 8
+  assert all(v["finite"] and v["step"]["n"] == 2 and v["step"]["median_s"] > 0 for v in small["variants"].values())
+  med = {k: v["step"]["median_s"] for k, v in small["variants"].items()}
+  assert small["time_token_xla_over_sequence"] == pytest.approx(med["token_xla"] / med["sequence"])
+  assert small["time_naive_over_token_xla"] == pytest.approx(med["naive"] / med["token_xla"])
+  met = small["time_token_xla_over_sequence"] <= 2.0
+  assert r["goal_met"] == {"time_token_xla_over_sequence": met} and r["pass"] == met
+  assert routed_attention.meets("temp_naive_over_token_xla", 19.9) is False
+  assert routed_attention.meets("temp_token_xla_over_sequence", 1.5) is True
+  assert routed_attention.meets("temp_token_xla_over_sequence", None) is None
+  cfg = routed_attention.layer_config(TINY, "token", "xla")
+  c = routed_attention.compile_variant(cfg, 2, 32)
+  assert c["compiled"] and c["temp_bytes"] > 0 and c["argument_bytes"] > 0
+  big = c["largest_values"][0]  # tiny's bank: [65, 16, 64] float32, or something larger
+  assert big["bytes"] >= 65 * 16 * 64 * 4 and big["shape"].count(",") >= 1
 
 
 class _Device:
