@@ -65,15 +65,16 @@ def test_reference_eval_has_no_aux(fixture):
   assert _rel(ce, data["eval_loss"]) <= 1e-6
 
 
+def _without_memory_output(state):
+  """The state with every memory o_proj zeroed: the memory no longer reaches the logits."""
+  return {k: np.zeros_like(v) if k.endswith("memory_attn.o_proj.weight") else v for k, v in state.items()}
+
+
 @needs_fixture
 def test_reference_sees_the_memory_path(fixture):
   """Zeroing memory o_proj must move the logits well above the 1e-6 bar, or the check is blind to memory."""
   data, meta, state = fixture
-  ablated = dict(state)
-  for k in state:
-    if k.endswith("memory_attn.o_proj.weight"):
-      ablated[k] = np.zeros_like(state[k])
-  logits, _, _ = mocpt_forward(meta["model"], meta["memory"], ablated, data["input_ids"],
+  logits, _, _ = mocpt_forward(meta["model"], meta["memory"], _without_memory_output(state), data["input_ids"],
                                data["attention_mask"], labels=data["labels"])
   assert _rel(logits, data["logits"]) > 1e-4
 
@@ -111,10 +112,7 @@ def test_reference_reproduces_mocpt_token_fixture(token_fixture):
 def test_reference_sees_the_token_routed_branches(token_fixture):
   """Dropping memory, or only its routed branch, must move the logits well above the 1e-6 bar."""
   data, meta, state = token_fixture
-  ablated = dict(state)
-  for k in state:
-    if k.endswith("memory_attn.o_proj.weight"):
-      ablated[k] = np.zeros_like(state[k])
+  ablated = _without_memory_output(state)
   no_routed = dict(meta["memory"], routed_scaling_factor=0.0)
   for memory_cfg, st in ((meta["memory"], ablated), (no_routed, state)):
     logits, _, _ = mocpt_forward(meta["model"], memory_cfg, st, data["input_ids"], data["attention_mask"],
