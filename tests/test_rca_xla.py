@@ -55,9 +55,9 @@ def _inputs(rng, b, l, h, hkv, dh, c, t, s, pattern):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "combine", "block"))
-def _out_and_grads(q, k, v, ids, logit_scale, value_scale, g, *, impl, combine, block=None):
+def _out_and_grads(q, k, v, ids, logit_scale, value_scale, g, *, impl, combine, block=(None, None)):
   if impl == "xla":
-    f = functools.partial(xla.routed_chapter_attention, block_tokens=block)
+    f = functools.partial(xla.routed_chapter_attention, block_pairs=block[0], chunk_tiles=block[1])
   else:
     f = reference.routed_chapter_attention
   out, vjp = jax.vjp(lambda q, k, v, ls, vs: f(q, k, v, ids, ls, vs, combine), q, k, v, logit_scale, value_scale)
@@ -66,7 +66,8 @@ def _out_and_grads(q, k, v, ids, logit_scale, value_scale, g, *, impl, combine, 
 
 @functools.partial(jax.jit, static_argnames=("block",))
 def _lse_out_and_grads(q, k, v, ids, logit_scale, value_scale, g, g_lse, *, block):
-  f = functools.partial(xla.routed_chapter_attention, combine="joint", block_tokens=block, return_lse=True)
+  f = functools.partial(xla.routed_chapter_attention, combine="joint", block_pairs=block[0], chunk_tiles=block[1],
+                        return_lse=True)
   (out, lse), vjp = jax.vjp(lambda q, k, v, ls, vs: f(q, k, v, ids, ls, vs), q, k, v, logit_scale, value_scale)
   return out, lse, vjp((g, g_lse))
 
@@ -108,9 +109,9 @@ def _numpy64_lse_grads(ids, c, p, qg, kg, raw, ls, g_lse):
   return dq, dk, dls
 
 
-SHAPES = {  # name: (B, L, H, Hkv, dh, C, T, S, block_tokens); blocks do not divide N = B·L
-    "gqa": (2, 9, 4, 2, 8, 40, 5, 4, 4),
-    "mha": (1, 13, 3, 3, 16, 40, 7, 5, 5),
+SHAPES = {  # name: (B, L, H, Hkv, dh, C, T, S, (block_pairs, chunk_tiles)); many chunks, the last one padded
+    "gqa": (2, 9, 4, 2, 8, 40, 5, 4, (4, 5)),     # 48 tiles in 10 chunks
+    "mha": (1, 13, 3, 3, 16, 40, 7, 5, (8, 2)),   # 43 tiles in 22 chunks
 }
 PATTERNS = ("random", "duplicates", "one_chapter", "unused")
 
@@ -144,12 +145,13 @@ def test_xla_matches_reference_float32(shape, combine):
 
 @pytest.mark.parametrize("combine", ["joint", "moe"])
 def test_xla_bfloat16_within_1e2_of_float32_reference(combine):
+  """With the default tile and chunk sizes (one chunk here)."""
   rng, seed = _rng()
-  *dims, block = SHAPES["gqa"]
+  dims = SHAPES["gqa"][:-1]
   x = _inputs(rng, *dims, "random")
   bf = {n: jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v")}
   common = _args(x, ("ids", "logit_scale", "value_scale", "g"))
-  out, grads = _out_and_grads(bf["q"], bf["k"], bf["v"], *common, impl="xla", combine=combine, block=block)
+  out, grads = _out_and_grads(bf["q"], bf["k"], bf["v"], *common, impl="xla", combine=combine)
   ref_out, ref_grads = _out_and_grads(*(bf[n].astype(jnp.float32) for n in ("q", "k", "v")), *common,
                                       impl="reference", combine=combine)
   msg = f"combine={combine} seed={seed}"
@@ -179,6 +181,9 @@ def test_xla_lse_value_and_gradient_match_numpy64():
     assert _rel(a, e) <= 1e-5, f"d{name} rel err {_rel(a, e):.2e} {msg}"
   with pytest.raises(ValueError, match="joint"):
     xla.routed_chapter_attention(*_args(x)[:6], "moe", return_lse=True)
+  for name in ("block_pairs", "chunk_tiles"):
+    with pytest.raises(ValueError, match=name):
+      xla.routed_chapter_attention(*_args(x)[:6], "joint", **{name: 0})
 
 
 @pytest.mark.parametrize("combine", ["joint", "moe"])
@@ -232,8 +237,19 @@ def test_xla_never_allocates_gathered_keys():
   assert largest >= gathered and temp >= 4 * gathered, ("reference", largest, temp, gathered)
 
 
-def test_default_block_keeps_slot_gather_modest():
-  """At the 262k shape (N=8192, T=64, Hkv=12, dh=64) a float32 [block, T, Hkv, dh] stays <= 64 MB."""
+def test_default_chunk_keeps_row_buffers_cache_sized():
+  """A chunk's float32 [tiles, H, block_pairs, max(T, dh)] buffer fits CHUNK_BYTES (at least one tile):
+  `tiny` (H=4, T=dh=16) and the 262k shape (H=12, T=dh=64) at the default 32 rows per tile."""
+  bp = xla.DEFAULT_BLOCK_PAIRS
+  for h, t, dh, expected in ((4, 16, 16, 64), (12, 64, 64, 5)):
+    tiles = xla.default_chunk_tiles(h, bp, t, dh)
+    assert tiles == expected and tiles * h * bp * max(t, dh) * 4 <= xla.CHUNK_BYTES
+  assert xla.default_chunk_tiles(64, 128, 512, 512) == 1
+
+
+def test_default_block_tokens_for_the_roofline():
+  """`roofline.py` sizes a per-slot K/V gather with it: at the 262k shape (N=8192, T=64, Hkv=12, dh=64) a
+  float32 [block, T, Hkv, dh] stays <= 64 MB."""
   block = xla.default_block_tokens(8192, 64, 12, 64)
   assert 1 <= block <= 8192 and block * 64 * 12 * 64 * 4 <= 64 << 20
   assert xla.default_block_tokens(10, 64, 12, 64) == 10

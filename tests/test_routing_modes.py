@@ -98,7 +98,9 @@ def test_chunk_mode_routes_chunk_zero_on_the_router_bias_and_later_chunks_on_the
   for layer, bias in enumerate(biases):
     routed = set(np.argsort(-bias[1:])[:8] + 1)
     assert all(set(chapters[layer, b, 0, 1:]) == routed for b in range(2))
-  assert (chapters[:, 0, 1] != chapters[:, 0, 2]).any()  # later chunks do route on their past
+  # later chunks route on their past: chunks 1 and 2 (means of 8 and 16 inputs) differ somewhere (rows 0 and 1
+  # of both layers; one row of one layer alone picks the same top-8 for some seeds)
+  assert (chapters[:, :, 1] != chapters[:, :, 2]).any(), f"seed {seed}"
 
 
 def test_per_position_modes_train_the_router_through_the_chapter_weights():

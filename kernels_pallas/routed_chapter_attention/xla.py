@@ -1,208 +1,285 @@
 """Routed chapter attention in plain XLA: what CPUs and shapes the kernels do not support run.
 
-Gathering every (token, slot) chapter at once costs N·S·T·Hkv·dh elements (tens of GB at the 262k
-shape), so tokens are flattened and cut into blocks of `block_tokens`; each block scans its slots and
-gathers one slot's chapter K/V ([block, T, Hkv, dh]) at a time. "joint" merges slots with an online
-softmax (running max, sum, accumulator); "moe" normalises each slot on its own and sums.
+The (token, slot) pairs are sorted by chapter and cut into tiles of `block_pairs` rows with the Pallas
+kernels' plan (`dispatch.make_plan`): a tile reads exactly one chapter, so K/V are gathered once per tile,
+not once per pair, and its scores are one small matmul per kv head, [block_pairs·G, dh] x [dh, T]. The
+tiles run in chunks of `chunk_tiles` (a `lax.scan`), each chunk a few batched matmuls over rows
+[tiles, Hkv, block_pairs·G, dh] and tiles [tiles, Hkv, T, dh]. A chunk's float32 buffers stay near
+`CHUNK_BYTES` (512 KiB): they fit a CPU core's cache, and they are bounded at any shape.
 
-The backward is a custom VJP in the flash style: it keeps only the inputs, the output and the joint
-log-sum-exp (O(N·H·dh)) and recomputes each slot's probabilities, where plain autodiff through the
-scans would save per-slot carries (O(N·S·H·dh)). Chapter gradients are scatter-added into float32
-[C, T, Hkv, dh] accumulators. Matmuls run in the input dtype with float32 accumulation; softmax and
-all statistics are float32.
+Forward: "moe" runs each row's (pair's) softmax over its chapter's T tokens and scatter-adds
+value_scale · softmax · V into a float32 [B·L, H, dh] accumulator, one pass. "joint" needs the token's
+log-sum-exp over all its slots first: a first pass stacks each row's log-sum-exp ([rows, H]), the merge
+LSE = logsumexp_s lse_s gathers them per token, and a second pass scatter-adds
+value_scale · exp(z − LSE) · V. Both are exact; no buffer of [rows, H, dh] or larger is stacked.
+
+Backward (custom VJP, flash style): it keeps the inputs and the plan, plus the output and the token LSE
+(joint) or each row's log-sum-exp (moe), and recomputes the probabilities. dq, dK and dV are scatter-added
+chunk by chunk into float32 accumulators ([B·L, H, dh] and [C, T, Hkv, dh]); only the per-row
+d logit_scale and d value_scale ([rows] each) are stacked. The blocks are [T, rows] here, so that
+dK = dzᵀq and dV = pᵀdout are plain matmuls; dq needs dz itself, one transposed copy per chunk.
+
+Matmuls and statistics run in float32, operands converted after the gathers (on CPUs without bfloat16
+matmul units that is also the fast path). The joint merge over slots is written as one gather per slot,
+which XLA fuses into a single loop; reducing a gathered [N, S, ...] array over its slot axis is far slower
+on CPU.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.routed_chapter_attention import dispatch
+
 NEG_INF = -1e30  # log-sum-exp of a token whose slots are all empty (finite, so LSE merges stay NaN-free)
-BLOCK_BYTES = 32 << 20  # default block: a float32 [block, T, Hkv, dh] slot gather/gradient stays <= this
+DEFAULT_BLOCK_PAIRS = 32  # rows (pairs of one chapter) per tile
+CHUNK_BYTES = 1 << 19  # a chunk's float32 [tiles, H, block_pairs, max(T, dh)] row buffer stays <= this
+BLOCK_BYTES = 32 << 20  # for default_block_tokens
+
+
+def default_chunk_tiles(heads, block_pairs, t, dh):
+  """Tiles per chunk: the most whose float32 [tiles, H, block_pairs, max(T, dh)] fits CHUNK_BYTES, >= 1."""
+  return max(1, CHUNK_BYTES // (4 * heads * block_pairs * max(t, dh)))
 
 
 def default_block_tokens(n, t, hkv, dh):
-  """Largest power of two whose float32 [block, T, Hkv, dh] fits BLOCK_BYTES, at most n."""
+  """Largest power of two whose float32 [block, T, Hkv, dh] fits BLOCK_BYTES, at most n. Not used by this
+  file's algorithm: `roofline.py`'s "xla" variant models a read that gathers one chapter's K/V per
+  (token, slot), block by block, and sizes its buffer with this."""
   rows = max(1, BLOCK_BYTES // (4 * t * hkv * dh))
   return min(n, 1 << (rows.bit_length() - 1))
 
 
-def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *, block_tokens=None,
-                             return_lse=False):
+class _Config(NamedTuple):
+  combine: str
+  block_pairs: int
+  chunk_tiles: int
+
+
+def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *, block_pairs=None,
+                             chunk_tiles=None, return_lse=False):
   """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh].
 
   return_lse (joint only): also return the float32 [B, L, H] log-sum-exp of the joint logits (NEG_INF for a
   token whose slots are all empty), differentiable, for callers that merge partial results across devices.
+  block_pairs: rows per tile (DEFAULT_BLOCK_PAIRS); chunk_tiles: tiles per chunk (`default_chunk_tiles`).
+  Ids outside [-1, C) read nothing, like -1 (`dispatch.valid_slots`).
   """
   if combine not in ("joint", "moe"):
     raise ValueError(f"combine must be 'joint' or 'moe', got {combine!r}")
   if return_lse and combine != "joint":
     raise ValueError("return_lse is defined for combine='joint' only")
-  n = q.shape[0] * q.shape[1]
-  _, t, hkv, dh = k.shape
-  if block_tokens is not None and block_tokens < 1:
-    raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-  block = default_block_tokens(n, t, hkv, dh) if block_tokens is None else min(int(block_tokens), n)
-  out, lse = _attention(q, k, v, ids, logit_scale, value_scale, combine, block)
+  for name, value in (("block_pairs", block_pairs), ("chunk_tiles", chunk_tiles)):
+    if value is not None and value < 1:
+      raise ValueError(f"{name} must be positive, got {value}")
+  _, t, _, dh = k.shape
+  bp = int(block_pairs or DEFAULT_BLOCK_PAIRS)
+  cfg = _Config(combine, bp, int(chunk_tiles or default_chunk_tiles(q.shape[2], bp, t, dh)))
+  out, lse = _attention(q, k, v, ids, logit_scale, value_scale, cfg)
   return (out, lse) if return_lse else out
 
 
-def _blocks(x, block, fill):
-  """[N, ...] -> [ceil(N / block), block, ...], the last block padded with `fill`."""
-  pad = -x.shape[0] % block
-  x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
-  return x.reshape(-1, block, *x.shape[1:])
+class _Rows(NamedTuple):
+  """The plan per chunk. Tiles are padded to a multiple of chunk_tiles; padding rows (the plan's and these)
+  name token N and have both scales 0, padding tiles read chapter 0, so they contribute exact zeros."""
+  token: jax.Array        # [chunks, chunk_tiles·bp] int32
+  chapter: jax.Array      # [chunks, chunk_tiles] int32
+  logit_scale: jax.Array  # [chunks, chunk_tiles·bp] float32, logit_scale / sqrt(dh)
+  value_scale: jax.Array  # [chunks, chunk_tiles·bp] float32
 
 
-def _prepare(q, k, v, ids, logit_scale, value_scale, block):
-  """Flattened, blocked operands: q [nblk, block, Hkv, G, dh]; ids/scales [nblk, block, S] (logit scale
-  times 1/sqrt(dh)); padded tokens have empty slots. k, v in the common compute dtype."""
+def _chunked_rows(plan, ids, logit_scale, value_scale, dh, cfg):
+  n, s = ids.shape[0] * ids.shape[1], ids.shape[-1]
+  tiles = plan.tile_info.shape[0]
+  chunks = -(-tiles // cfg.chunk_tiles)
+  pad = chunks * cfg.chunk_tiles - tiles
+
+  def per_row(x, fill=0):
+    return jnp.pad(x, (0, pad * cfg.block_pairs), constant_values=fill).reshape(chunks, -1)
+
+  def scale(x, factor=1.0):
+    return per_row(dispatch.pairs_to_rows(x.reshape(-1).astype(jnp.float32) * factor, plan))
+
+  rows = _Rows(per_row(plan.row_pair // s, fill=n), jnp.pad(plan.tile_info >> 1, (0, pad)).reshape(chunks, -1),
+               scale(logit_scale, 1 / jnp.sqrt(jnp.float32(dh))), scale(value_scale))
+  # Materialised once: fused into the row gathers, the index arithmetic would rerun for every element.
+  return _Rows(*lax.optimization_barrier(tuple(rows)))
+
+
+def _tile_major(x, tiles, bp):
+  """[tiles·bp, Hkv, G, d] rows -> [tiles, Hkv, bp·G, d] (G innermost)."""
+  _, hkv, g, d = x.shape
+  return x.reshape(tiles, bp, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(tiles, hkv, bp * g, d)
+
+
+def _gather_rows(x, token, tiles, bp):
+  """Per-token x [N, Hkv, G, d] -> float32 rows [tiles, Hkv, bp·G, d]. A padding row (token N) reads token
+  N - 1; its scales are 0."""
+  return _tile_major(jnp.take(x, token, axis=0, mode="clip").astype(jnp.float32), tiles, bp)
+
+
+def _gather_tiles(x, chapter):
+  """x [C, T, Hkv, d] -> float32 [tiles, Hkv, T, d]."""
+  return jnp.take(x, chapter, axis=0).astype(jnp.float32).transpose(0, 2, 1, 3)
+
+
+def _row_scalar(x, tiles, g):
+  """[tiles·bp] per row -> [tiles, 1, bp·G, 1]."""
+  bp = x.shape[0] // tiles
+  return jnp.broadcast_to(x.reshape(tiles, 1, bp, 1), (tiles, 1, bp, g)).reshape(tiles, 1, bp * g, 1)
+
+
+def _mm(spec, a, b):
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+
+
+def _stacked_rows(x, g):
+  """Stacked chunk outputs [chunks, chunk_tiles, Hkv, bp·G] -> [rows, Hkv, G] in plan row order."""
+  chunks, tiles, hkv, bpg = x.shape
+  return jnp.swapaxes(x.reshape(chunks * tiles, hkv, bpg // g, g), 1, 2).reshape(-1, hkv, g)
+
+
+def _slot_row(x, plan, n, s, j):
+  """Per-row x [rows, ...] -> slot j's row of every token [N, ...]. An empty slot reads some row: mask it."""
+  return jnp.take(x, plan.pair_row.reshape(n, s)[:, j], axis=0, mode="clip")
+
+
+def _rows_to_tokens(acc, x, token, bp, g):
+  """acc [N, Hkv, G, dh] += x [tiles, Hkv, bp·G, dh] scatter-added by row token (padding rows dropped)."""
+  tiles, hkv, _, dh = x.shape
+  x = x.reshape(tiles, hkv, bp, g, dh).transpose(0, 2, 1, 3, 4).reshape(tiles * bp, hkv, g, dh)
+  return acc.at[token].add(x, mode="drop")
+
+
+def _token_stat_rows(x, plan, rows_shape, bp):
+  """Per-token x [N, Hkv, G, k] -> per row [chunks, chunk_tiles, Hkv, bp·G, k] (0 for padding rows)."""
+  n, hkv, g, width = x.shape
+  s = plan.pair_row.shape[0] // n
+  chunks, tiles = rows_shape
+  x = jnp.broadcast_to(x[:, None], (n, s, hkv, g, width)).reshape(n * s, hkv, g, width)
+  x = dispatch.pairs_to_rows(x, plan)
+  x = jnp.pad(x, ((0, chunks * tiles * bp - x.shape[0]), (0, 0), (0, 0), (0, 0)))
+  return _tile_major(x, chunks * tiles, bp).reshape(chunks, tiles, hkv, bp * g, width)
+
+
+def _forward(q, k, v, ids, logit_scale, value_scale, cfg):
+  """Returns out, the joint LSE (None for moe), the plan, the chunked rows and, for moe, each row's
+  log-sum-exp [chunks, chunk_tiles, Hkv, bp·G] (None for joint)."""
   b, l, h, dh = q.shape
-  hkv, s = k.shape[2], ids.shape[-1]
-  n = b * l
-  cdt = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  qb = _blocks(q.reshape(n, hkv, h // hkv, dh).astype(cdt), block, 0)
-  idb = _blocks(ids.reshape(n, s).astype(jnp.int32), block, -1)
-  lsb = _blocks(logit_scale.reshape(n, s).astype(jnp.float32) / jnp.sqrt(jnp.float32(dh)), block, 0)
-  vsb = _blocks(value_scale.reshape(n, s).astype(jnp.float32), block, 0)
-  return qb, idb, lsb, vsb, k.astype(cdt), v.astype(cdt)
+  c, _, hkv, _ = k.shape
+  n, s, g = b * l, ids.shape[-1], h // hkv
+  bp, tc = cfg.block_pairs, cfg.chunk_tiles
+  plan = dispatch.make_plan(ids.reshape(n, s).astype(jnp.int32), c, bp)
+  rows = _chunked_rows(plan, ids, logit_scale, value_scale, dh, cfg)
+  qg = q.reshape(n, hkv, g, dh)
+
+  def scores(token, chapter, scale):  # [tiles, Hkv, bp·G, T]
+    qs = _gather_rows(qg, token, tc, bp) * _row_scalar(scale, tc, g)
+    return _mm("xhrd,xhtd->xhrt", qs, _gather_tiles(k, chapter))
+
+  def row_lse(z):
+    m = z.max(-1, keepdims=True)
+    return m, jnp.exp(z - m).sum(-1, keepdims=True)
+
+  lse = shift = None
+  if cfg.combine == "joint":  # pass 1: each row's log-sum-exp, merged into the token's
+    m, lsum = lax.map(lambda xs: row_lse(scores(*xs)), (rows.token, rows.chapter, rows.logit_scale))
+    lse_rows = _stacked_rows((m + jnp.log(lsum))[..., 0], g)
+    valid = dispatch.valid_slots(ids.reshape(n, s), c)[:, :, None, None]
+    lse_slot = [jnp.where(valid[:, j], _slot_row(lse_rows, plan, n, s, j), NEG_INF) for j in range(s)]
+    top = functools.reduce(jnp.maximum, lse_slot)
+    lse = top + jnp.log(sum(jnp.exp(x - top) for x in lse_slot))  # [N, Hkv, G]
+    shift = _token_stat_rows(lse[..., None], plan, rows.chapter.shape, bp)
+    lse = lse.reshape(b, l, h)
+
+  def chunk(acc, xs):
+    token, chapter, scale, vscale, *joint_shift = xs
+    z = scores(token, chapter, scale)
+    if joint_shift:  # probabilities of the token's joint softmax
+      e, weight, lse_row = jnp.exp(z - joint_shift[0]), _row_scalar(vscale, tc, g), None
+    else:  # the row's own softmax
+      m, lsum = row_lse(z)
+      e = jnp.exp(z - m)
+      weight, lse_row = _row_scalar(vscale, tc, g) / lsum, (m + jnp.log(lsum))[..., 0]
+    o = _mm("xhrt,xhtd->xhrd", e, _gather_tiles(v, chapter)) * weight
+    return _rows_to_tokens(acc, o, token, bp, g), lse_row
+
+  xs = (*rows,) if shift is None else (*rows, shift)
+  out, lse_rows = lax.scan(chunk, jnp.zeros(qg.shape, jnp.float32), xs)
+  return out.reshape(b, l, h, dh), lse, plan, rows, lse_rows
 
 
-def _slot_major(*xs):
-  """[block, S] -> [S, block], the layout lax.scan walks over slots."""
-  return tuple(x.T for x in xs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, ids, logit_scale, value_scale, cfg):
+  return _forward(q, k, v, ids, logit_scale, value_scale, cfg)[:2]
 
 
-def _gather(x, chapter):
-  """x[chapter] for every token of a block ([block, T, Hkv, dh]); empty slots read chapter 0 (masked later)."""
-  return jnp.take(x, jnp.maximum(chapter, 0), axis=0, mode="clip")
+def _attention_fwd(q, k, v, ids, logit_scale, value_scale, cfg):
+  out, lse, plan, rows, lse_rows = _forward(q, k, v, ids, logit_scale, value_scale, cfg)
+  saved = (out, lse) if cfg.combine == "joint" else (None, lse_rows)  # joint: D = dout·out and the token LSE
+  return (out, lse), (q, k, v, ids, logit_scale, value_scale, plan, rows, *saved)
 
 
-def _scores(qb, kg, ls):
-  """float32 [block, Hkv, G, T] dot products q.k and logits ls * q.k (ls already includes 1/sqrt(dh))."""
-  raw = jnp.einsum("nkgd,ntkd->nkgt", qb, kg, preferred_element_type=jnp.float32)
-  return raw, raw * ls[:, None, None, None]
-
-
-def _forward(q, k, v, ids, logit_scale, value_scale, combine, block):
-  b, l, h, dh = q.shape
-  qb, idb, lsb, vsb, k, v = _prepare(q, k, v, ids, logit_scale, value_scale, block)
-  hkv, g = qb.shape[2], qb.shape[3]
-
-  def one_block(args):
-    qb, idb, lsb, vsb = args
-    nb = qb.shape[0]
-    o0 = jnp.zeros((nb, hkv, g, dh), jnp.float32)
-    stat0 = jnp.zeros((nb, hkv, g), jnp.float32)
-
-    def slot(carry, xs):
-      chapter, ls, vs = xs
-      valid = (chapter >= 0)[:, None, None]
-      vg = _gather(v, chapter)
-      _, z = _scores(qb, _gather(k, chapter), ls)
-      if combine == "joint":
-        m, lsum, o = carry
-        m_new = jnp.maximum(m, z.max(-1))
-        p = jnp.exp(z - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("nkgt,ntkd->nkgd", p.astype(v.dtype), vg, preferred_element_type=jnp.float32)
-        new = (m_new, alpha * lsum + p.sum(-1), alpha[..., None] * o + vs[:, None, None, None] * pv)
-        return tuple(jnp.where(valid if x.ndim == 3 else valid[..., None], x, old)
-                     for x, old in zip(new, carry)), None
-      p = jnp.exp(z - z.max(-1, keepdims=True))
-      pv = jnp.einsum("nkgt,ntkd->nkgd", p.astype(v.dtype), vg, preferred_element_type=jnp.float32)
-      w = jnp.where(valid, vs[:, None, None] / p.sum(-1), 0.0)
-      return carry + w[..., None] * pv, None
-
-    xs = _slot_major(idb, lsb, vsb)
-    if combine == "joint":
-      (m, lsum, o), _ = lax.scan(slot, (jnp.full_like(stat0, -jnp.inf), stat0, o0), xs)
-      seen = lsum > 0
-      out = o / jnp.where(seen, lsum, 1.0)[..., None]
-      lse = jnp.where(seen, m + jnp.log(jnp.where(seen, lsum, 1.0)), NEG_INF)
-      return out, lse
-    out, _ = lax.scan(slot, o0, xs)
-    return out, None
-
-  out, lse = lax.map(one_block, (qb, idb, lsb, vsb))
-  n = b * l
-  out = out.reshape(-1, h, dh)[:n].reshape(b, l, h, dh)
-  return out, (None if lse is None else lse.reshape(-1, h)[:n].reshape(b, l, h))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, ids, logit_scale, value_scale, combine, block):
-  return _forward(q, k, v, ids, logit_scale, value_scale, combine, block)
-
-
-def _attention_fwd(q, k, v, ids, logit_scale, value_scale, combine, block):
-  out, lse = _forward(q, k, v, ids, logit_scale, value_scale, combine, block)
-  saved_out = out if combine == "joint" else None  # only the joint D = dout·out needs it
-  return (out, lse), (q, k, v, ids, logit_scale, value_scale, saved_out, lse)
-
-
-def _attention_bwd(combine, block, res, cts):
-  """Per slot (p_t: probabilities of its T tokens, joint- or slot-normalised; ls includes 1/sqrt(dh)):
-    dp_t = vs·dout·v_t;   dz_t = p_t (dp_t − D),  D = dout·out − d_lse (joint) or vs·dout·attn_slot (moe);
-    dq += ls Σ_t dz_t k_t;   dk_t += ls dz_t q;   dv_t += vs p_t dout;
-    d logit_scale = Σ_t dz_t q·k_t / sqrt(dh);   d value_scale = Σ_t p_t dout·v_t.
-  dout is rounded to the compute dtype once, and D uses that rounded dout too, so dp_t − D cancels
-  consistently in bfloat16.
+def _attention_bwd(cfg, res, cts):
+  """Row r of a tile of chapter c, its T probabilities p_rt (normalised over the row for moe, over all the
+  token's slots for joint), a = logit_scale/sqrt(dh), vs = value_scale, qk_rt = q·k_t:
+    dp_rt = dout·v_t;   dz_rt = p_rt (vs dp_rt − D),  D = dout·out − d_lse (joint) or vs Σ_t p_rt dp_rt (moe);
+    dq += a Σ_t dz_rt k_t;   dK_c += a dz_r qᵀ;   dV_c += vs p_r doutᵀ;
+    d logit_scale = Σ_t dz_rt qk_rt / sqrt(dh);   d value_scale = Σ_t p_rt dp_rt  (summed over heads).
   """
-  q, k, v, ids, logit_scale, value_scale, out, lse = res
+  q, k, v, ids, logit_scale, value_scale, plan, rows, out, lse = res
   dout, dlse = cts
   b, l, h, dh = q.shape
   c, t, hkv, _ = k.shape
-  n, g, s = b * l, h // hkv, ids.shape[-1]
-  qb, idb, lsb, vsb, kc, vc = _prepare(q, k, v, ids, logit_scale, value_scale, block)
-  dout = dout.astype(kc.dtype)
-  doutb = _blocks(dout.reshape(n, hkv, g, dh), block, 0)
-  if combine == "joint":
-    delta = jnp.sum(dout.astype(jnp.float32) * out, -1) - dlse.astype(jnp.float32)
-    statb = _blocks(jnp.stack([lse, delta], -1).reshape(n, hkv, g, 2), block, 0)
-  else:
-    statb = None  # moe recomputes each slot's normaliser and D
+  n, s, g = b * l, ids.shape[-1], h // hkv
+  bp, tc = cfg.block_pairs, cfg.chunk_tiles
+  qg, dog = q.reshape(n, hkv, g, dh), dout.reshape(n, hkv, g, dh)
+  if cfg.combine == "joint":  # each row's token LSE and D, [chunks, chunk_tiles, Hkv, bp·G, 2]
+    d = jnp.sum(dout.astype(jnp.float32) * out, -1) - dlse.astype(jnp.float32)
+    stats = _token_stat_rows(jnp.stack([lse, d], -1).reshape(n, hkv, g, 2), plan, rows.chapter.shape, bp)
+  else:  # each row's own log-sum-exp
+    stats = lse[..., None]
 
-  def one_block(carry, args):
-    qb, idb, lsb, vsb, doutb, statb = args
-
-    def slot(carry, xs):
-      dq, dk, dv = carry
-      chapter, ls, vs = xs
-      valid = (chapter >= 0)[:, None, None, None]
-      kg, vg = _gather(kc, chapter), _gather(vc, chapter)
-      raw, z = _scores(qb, kg, ls)
-      if combine == "joint":
-        p = jnp.exp(jnp.where(valid, z - statb[..., 0:1], -jnp.inf))
-      else:
-        p = jnp.exp(z - z.max(-1, keepdims=True))
-        p = jnp.where(valid, p / p.sum(-1, keepdims=True), 0.0)
-      dp_raw = jnp.einsum("nkgd,ntkd->nkgt", doutb, vg, preferred_element_type=jnp.float32)
-      attn_dout = jnp.sum(p * dp_raw, -1, keepdims=True)
-      vs4 = vs[:, None, None, None]
-      dz = p * (vs4 * dp_raw - (statb[..., 1:2] if combine == "joint" else vs4 * attn_dout))
-      dls = jnp.sum(dz * raw, axis=(1, 2, 3))
-      dzs = (dz * ls[:, None, None, None]).astype(kc.dtype)
-      dq = dq + jnp.einsum("nkgt,ntkd->nkgd", dzs, kg, preferred_element_type=jnp.float32)
-      target = jnp.maximum(chapter, 0)  # empty slots have p = 0, so they add exact zeros to chapter 0
-      dk = dk.at[target].add(jnp.einsum("nkgt,nkgd->ntkd", dzs, qb, preferred_element_type=jnp.float32))
-      dv = dv.at[target].add(
-          vs4 * jnp.einsum("nkgt,nkgd->ntkd", p.astype(vc.dtype), doutb, preferred_element_type=jnp.float32))
-      return (dq, dk, dv), (dls, jnp.sum(attn_dout, axis=(1, 2, 3)))
-
-    dk, dv = carry
-    (dq, dk, dv), (dls, dvs) = lax.scan(slot, (jnp.zeros(qb.shape, jnp.float32), dk, dv),
-                                       _slot_major(idb, lsb, vsb))
-    return (dk, dv), (dq, dls.T, dvs.T)
+  def chunk(carry, xs):
+    dq, dk, dv = carry
+    token, chapter, scale, vscale, stat = xs
+    a, vs = (jnp.swapaxes(_row_scalar(x, tc, g), 2, 3) for x in (scale, vscale))  # [tiles, 1, 1, bp·G]
+    stat = jnp.swapaxes(stat, 2, 3)  # [tiles, Hkv, 1 or 2, bp·G]
+    qr, do = _gather_rows(qg, token, tc, bp), _gather_rows(dog, token, tc, bp)
+    kx, vx = _gather_tiles(k, chapter), _gather_tiles(v, chapter)
+    qk = _mm("xhtd,xhrd->xhtr", kx, qr)  # [tiles, Hkv, T, bp·G]
+    p = jnp.exp(a * qk - stat[..., 0:1, :])
+    dp = _mm("xhtd,xhrd->xhtr", vx, do)
+    pdp = jnp.sum(p * dp, 2, keepdims=True)
+    dz = p * (vs * dp - stat[..., 1:2, :]) if cfg.combine == "joint" else vs * p * (dp - pdp)
+    dza = dz * a
+    dk_x = _mm("xhtr,xhrd->xhtd", dza, qr)
+    dv_x = _mm("xhtr,xhrd->xhtd", vs * p, do)
+    # dq needs dz as [rows, T]. The barrier keeps this transposed copy: XLA would otherwise fold the
+    # transpose into the matmul, whose transposed-operand form is several times slower on CPU.
+    dq_x = _mm("xhrt,xhtd->xhrd", lax.optimization_barrier(jnp.swapaxes(dza, 2, 3)), kx)
+    dq_x = dq_x.reshape(tc, hkv, bp, g, dh).transpose(0, 2, 1, 3, 4).reshape(tc * bp, hkv, g, dh)
+    dq = dq.at[token].add(dq_x, mode="drop")  # padding rows (token N) are dropped
+    dk = dk.at[chapter].add(dk_x.transpose(0, 2, 1, 3))
+    dv = dv.at[chapter].add(dv_x.transpose(0, 2, 1, 3))
+    per_row = lambda x: jnp.sum(x.reshape(tc, bp, g), -1).reshape(-1)  # noqa: E731  [tiles, bp·G] -> [tiles·bp]
+    return (dq, dk, dv), (per_row(jnp.sum(dz * qk, (1, 2))), per_row(jnp.sum(pdp, (1, 2))))
 
   zeros_kv = jnp.zeros((c, t, hkv, dh), jnp.float32)
-  (dk, dv), (dq, dls, dvs) = lax.scan(one_block, (zeros_kv, zeros_kv), (qb, idb, lsb, vsb, doutb, statb))
-  dq = dq.reshape(-1, h, dh)[:n].reshape(q.shape).astype(q.dtype)
-  dls = (dls.reshape(-1, s)[:n] / jnp.sqrt(jnp.float32(dh))).reshape(ids.shape).astype(logit_scale.dtype)
-  dvs = dvs.reshape(-1, s)[:n].reshape(ids.shape).astype(value_scale.dtype)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, dls, dvs
+  (dq, dk, dv), (dls, dvs) = lax.scan(chunk, (jnp.zeros(qg.shape, jnp.float32), zeros_kv, zeros_kv),
+                                      (*rows, stats))
+  valid = dispatch.valid_slots(ids.reshape(n, s), c)
+
+  def to_pairs(x, dtype):
+    x = jnp.take(x.reshape(-1), plan.pair_row, mode="clip").reshape(n, s)
+    return jnp.where(valid, x, 0.0).reshape(ids.shape).astype(dtype)
+
+  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          to_pairs(dls / jnp.sqrt(jnp.float32(dh)), logit_scale.dtype), to_pairs(dvs, value_scale.dtype))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
