@@ -63,6 +63,10 @@ def base_config():
   mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
   mem.routing = "sequence"       # sequence (MoC-PT's paper mode; NOT causal) | token | prefix | chunk (causal)
   mem.routing_chunk = 64         # chunk routing: positions per routing decision
+  # cached decoding: auto (the training routing if causal, else sequence) | sequence (routed once on the
+  # prompt) | rolling | hybrid (MoC-PT's decode-only strategies) | token | prefix | chunk
+  mem.decode_routing = "auto"
+  mem.routing_window = 128       # rolling / hybrid: the last layer inputs a decoding decision averages
   mem.attention_impl = "auto"    # token/prefix/chunk reads: auto | pallas | xla | reference (kernels_pallas)
   mem.init_std = 0.02
   mem.wo_init_zero = True

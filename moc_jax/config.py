@@ -16,6 +16,7 @@ SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
 ROUTINGS = ("sequence", "token", "prefix", "chunk")
+DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", "token", "prefix", "chunk")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
@@ -132,10 +133,11 @@ def _validate_memory(c):
   _enum(c, "memory.block_variant", VARIANTS)
   _enum(c, "memory.token_norm", TOKEN_NORMS)
   _enum(c, "memory.routing", ROUTINGS)
+  _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
   _enum(c, "memory.sharded_read", ("auto", "ring", "scatter"))
   _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
   for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
-            "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk"):
+            "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk", "routing_window"):
     _positive(c, f"memory.{f}")
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef"):
     _positive(c, f"memory.{f}", allow_zero=True)

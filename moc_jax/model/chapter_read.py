@@ -31,26 +31,37 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.routed_chapter_attention import routed_chapter_attention
+from moc_jax.quantize import QuantizedRows, dequantize
 from moc_jax.sharding import current, logical_spec
 
 
 def read_chapters(bank, ids, strategy="auto"):
-  """bank [C, T, d], ids [B, S] int -> [B, S, T, d] (bank[ids]); `strategy` auto | ring | scatter."""
+  """bank [C, T, d], ids [B, S] int -> float [B, S, T, d] (bank[ids]); `strategy` auto | ring | scatter.
+
+  A quantized bank (`quantize.QuantizedRows`) is read the same way: its codes and scales are taken
+  (and moved between devices) and only the selected chapters are dequantised.
+  """
   chapter_axes, mesh = current("chapters")
   if not chapter_axes:
-    return jnp.take(bank, ids, axis=0)
+    return dequantize(bank.take(ids, axis=0))
   bank_spec = logical_spec(mesh, "chapters", "chapter_tokens", "bank_embed")
   ids_spec = logical_spec(mesh, "batch", None)
   if not set(chapter_axes) <= set(current("batch")[0]):
     raise ValueError(f"the bank's chapter axis is sharded over {chapter_axes}, which must also split "
                      "`batch` (config.logical_axis_rules)")
-  gathered = [(dim, bank_spec[dim]) for dim in (1, 2) if bank_spec[dim]]
+  if isinstance(bank, QuantizedRows):  # scales [C, T]: the bank's spec without the row dimension
+    bank_spec = QuantizedRows(bank_spec, jax.P(*bank_spec[:2]), bank.bits)
 
   def local(bank_shard, ids_shard):
-    for dim, split in gathered:  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)
-      bank_shard = jax.lax.all_gather(bank_shard, split, axis=dim, tiled=True)
     scatter = ids_shard.size < bank_shard.shape[0] if strategy == "auto" else strategy == "scatter"
-    return (_scatter_take if scatter else _ring_take)(bank_shard, ids_shard, chapter_axes)
+
+    def take(shard, spec):  # FSDP/tensor splits of a chapter are re-joined (one shard at a time)
+      for dim, split in enumerate(spec[1:], 1):
+        if split:
+          shard = jax.lax.all_gather(shard, split, axis=dim, tiled=True)
+      return (_scatter_take if scatter else _ring_take)(shard, ids_shard, chapter_axes)
+
+    return dequantize(jax.tree.map(take, bank_shard, bank_spec))
 
   return jax.shard_map(local, mesh=mesh, in_specs=(bank_spec, ids_spec),
                        out_specs=logical_spec(mesh, "batch", None, None, None), check_vma=False)(bank, ids)
@@ -102,8 +113,14 @@ def _scatter_take(shard, ids, axes):
   """bank[ids]: owners copy out what the group asked for; a reduce-scatter hands each device its part."""
   group_ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
   local, hit = _owned(group_ids, jax.lax.axis_index(axes), shard.shape[0])
-  part = jnp.where(hit[:, :, None, None], jnp.take(shard, local, axis=0), 0)
+  part = jnp.take(shard, local, axis=0)
+  part = jnp.where(_per_slot(hit, part), part, 0)
   return jax.lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
+
+
+def _per_slot(hit, x):
+  """hit [B, S] broadcast against a chapter read x [B, S, ...] (chapters [.., T, d], scales [.., T])."""
+  return hit.reshape(hit.shape + (1,) * (x.ndim - hit.ndim))
 
 
 def _right(n):
@@ -118,7 +135,7 @@ def _ring_take(shard, ids, axes):
 
   def copy_out(owner, held, out):
     local, hit = _owned(ids, owner, per)
-    return jnp.where(hit[:, :, None, None], jnp.take(held, local, axis=0), out)
+    return jnp.where(_per_slot(hit, out), jnp.take(held, local, axis=0), out)
 
   def step(i, carry):  # `held` came from the device i places to the left
     held, out = carry

@@ -15,6 +15,8 @@ cross-attention (reference_spec.md §1.3–§1.7, §2.2, §3).
 `prefix` and `chunk` mix chapters as `sequence` does (weights scale keys and values, one softmax).
 The per-position modes project the (normalised) bank's keys and values once per layer call and read
 them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
+Cached decoding (`MemoryLayer.decode`) routes by `memory.decode_routing`, which adds the decode-only
+`rolling` and `hybrid` strategies of MoC-PT.
 """
 from __future__ import annotations
 
@@ -24,9 +26,18 @@ from flax import nnx
 
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
+from moc_jax.quantize import dequantize
 from moc_jax.sharding import current
 
 CAUSAL_ROUTINGS = ("token", "prefix", "chunk")
+
+
+def resolve_decode_routing(mem):
+  """`memory.decode_routing` with `auto` resolved: the training routing when it is causal (cached
+  decoding then equals a full forward), `sequence` (routed once on the prompt) otherwise."""
+  if mem.decode_routing != "auto":
+    return mem.decode_routing
+  return mem.routing if mem.routing in CAUSAL_ROUTINGS else "sequence"
 
 
 class ChapterBank(nnx.Module):
@@ -46,6 +57,10 @@ class ChapterBank(nnx.Module):
     extra = (padded_chapters or mem.num_chapters) - mem.num_chapters
     if extra:
       self.memory.set_value(jnp.pad(self.memory[...], ((0, 0), (0, extra), (0, 0), (0, 0))))
+
+  def read(self):
+    """The banks as the memory layers read them (`quantize.QuantizedChapterBank` returns codes)."""
+    return self.memory[...]
 
 
 def route(logits, num_shared, top_k):
@@ -127,10 +142,45 @@ def routing_input(h, valid, routing, chunk):
 
 
 def per_position(x, routing, chunk, length):
-  """Decisions [B, D, ...] -> [B, length, ...]: chunk decisions repeat over their chunk's positions."""
-  if routing == "chunk":
+  """Decisions [B, D, ...] -> [B, length, ...]: chunk decisions repeat over their chunk's positions
+  (decisions already made per position, as in cached decoding, pass through)."""
+  if routing == "chunk" and x.shape[1] != length:
     return jnp.repeat(x, chunk, axis=1)[:, :length]
   return x
+
+
+def masked_mean(x, valid):
+  """Mean over axis 1 of x [B, L, d] at the positions valid [B, L] marks (zeros where none)."""
+  w = valid.astype(jnp.float32)[..., None]
+  return jnp.sum(x.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+
+
+def cached_routing_input(h, valid, state, routing, chunk, index):
+  """`routing_input` of the positions at slots index, index+1, ... of a row whose earlier layer inputs
+  `state` summarises ({} before the first call): per-position routing inputs [B, L, d] and the new
+  state. prefix keeps the running masked sum and count of the inputs; chunk also keeps them as of the
+  current chunk's start; token keeps nothing."""
+  h = h.astype(jnp.float32)
+  if routing == "token":
+    return h, {}
+  b, l, d = h.shape
+  w = valid.astype(jnp.float32)
+  total0, count0 = state.get("total", jnp.zeros((b, d))), state.get("count", jnp.zeros((b,)))
+  # running sums over the slots before index + j, j = 0..L
+  total = jnp.concatenate([total0[:, None], total0[:, None] + jnp.cumsum(h * w[..., None], axis=1)], axis=1)
+  count = jnp.concatenate([count0[:, None], count0[:, None] + jnp.cumsum(w, axis=1)], axis=1)
+  new = {"total": total[:, -1], "count": count[:, -1]}
+  if routing == "prefix":
+    return total[:, 1:] / jnp.maximum(count[:, 1:, None], 1.0), new
+  # chunk: the sums before each slot's chunk start; a chunk that began before this call uses the saved ones
+  start = (index + jnp.arange(l + 1)) // chunk * chunk - index
+  inside = start >= 0
+  total = jnp.where(inside[None, :, None], jnp.take(total, jnp.maximum(start, 0), axis=1),
+                    state.get("chunk_total", jnp.zeros((b, d)))[:, None])
+  count = jnp.where(inside[None, :], jnp.take(count, jnp.maximum(start, 0), axis=1),
+                    state.get("chunk_count", jnp.zeros((b,)))[:, None])
+  new.update(chunk_total=total[:, -1], chunk_count=count[:, -1])
+  return total[:, :-1] / jnp.maximum(count[:, :-1, None], 1.0), new
 
 
 class Router(nnx.Module):
@@ -175,7 +225,10 @@ class MemoryCrossAttention(nnx.Module):
 
   def __call__(self, x, tokens):
     """x [B, L, d] (normed), tokens [B, N, mem_dim] already normalised and chapter-weighted."""
-    k, v = self.keys_values(tokens)
+    return self.attend(x, *self.keys_values(tokens))
+
+  def attend(self, x, k, v):
+    """x [B, L, d] (normed) reads projected memory keys and values [B, N, Hkv, dh]."""
     return self.o(attention(self.queries(x), k, v).astype(x.dtype))
 
 
@@ -191,6 +244,7 @@ class MemoryLayer(nnx.Module):
     self.num_shared, self.top_k = mem.num_shared, mem.top_k
     self.scaling = mem.routed_scaling_factor
     self.routing, self.chunk = mem.routing, mem.routing_chunk
+    self.decode_routing, self.window = resolve_decode_routing(mem), mem.routing_window
     self.attention_impl = mem.attention_impl
     # MoC-PT skips the token norm when there are no shared chapters (or no routed ones).
     self.token_norm = mem.token_norm if mem.num_shared > 0 else "none"
@@ -200,15 +254,17 @@ class MemoryLayer(nnx.Module):
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
-  def decide(self, route_input, valid):
-    """Router logits -> (routed ids, routed weights) per decision, and the router statistics."""
-    logits = self.router(routing_input(route_input, valid, self.routing, self.chunk))
+  def decide(self, pooled):
+    """Router logits of routing inputs `pooled` [..., d] -> (routed ids, routed weights) per decision,
+    and the router statistics."""
+    logits = self.router(pooled)
     probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k)
     return routed_ids, routed_w, router_losses(logits, probs, routed_ids)
 
-  def select(self, route_input, bank):
-    """Sequence mode: routes and gathers. bank [C, T, dm] -> (tokens [B, (s+k)*T, dm], stats)."""
-    routed_ids, routed_w, stats = self.decide(route_input, None)
+  def select(self, pooled, bank):
+    """One decision per row (pooled [B, d]): routes and gathers.
+    bank [C, T, dm] -> (tokens [B, (s+k)*T, dm], stats)."""
+    routed_ids, routed_w, stats = self.decide(pooled)
     chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
     sel = read_chapters(bank, chapters, self.sharded_read)  # [B, s+k, T, dm]
     sel = normalize_tokens(sel.astype(jnp.float32), self.token_norm, self.token_norm_eps)
@@ -217,10 +273,44 @@ class MemoryLayer(nnx.Module):
     return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
   def __call__(self, h, route_input, bank, valid=None):
+    pooled = routing_input(route_input, valid, self.routing, self.chunk)
     if self.routing == "sequence":
-      tokens, stats = self.select(route_input, bank)
+      tokens, stats = self.select(pooled, bank)
       return self.attn(self.norm(h), tokens), stats
-    return self.read_per_position(h, route_input, bank, valid)
+    return self.read_per_position(h, pooled, bank, self.routing)
+
+  def decode(self, h, route_input, bank, valid, state, index):
+    """Cached decoding of L new positions at slots [index, index+L) (the prompt, then one token at a
+    time) -> (out, new state). `state` summarises this layer's earlier inputs ({} before the prompt);
+    what it holds follows `memory.decode_routing`:
+    * token / prefix / chunk: the training modes position by position (`cached_routing_input`), so
+      cached decoding gives the logits of a full forward.
+    * sequence: one decision on the prompt's masked mean; the selected chapters' keys and values are
+      kept and every later token reads them. (MoC-PT's cached decoding instead routes each step on the
+      new token alone; a fixed decision keeps what the prompt chose, at no routing cost per token.)
+    * rolling: each call routes once on the masked mean of the last `memory.routing_window` layer
+      inputs (kept in the state), the prompt included (MoC-PT's).
+    * hybrid: the prompt routes on its masked mean and seeds the window; later calls as rolling.
+    """
+    routing = self.decode_routing
+    if routing in CAUSAL_ROUTINGS:
+      pooled, state = cached_routing_input(route_input, valid, state, routing, self.chunk, index)
+      return self.read_per_position(h, pooled, bank, routing)[0], state
+    if routing == "sequence" and state:
+      return self.attn.attend(self.norm(h), state["k"], state["v"]), state
+    if routing == "sequence":
+      pooled = masked_mean(route_input, valid)
+    else:
+      b, _, d = route_input.shape
+      window = jnp.concatenate([state.get("window", jnp.zeros((b, self.window, d))),
+                                route_input.astype(jnp.float32)], axis=1)[:, -self.window:]
+      seen = jnp.concatenate([state.get("seen", jnp.zeros((b, self.window), bool)), valid], axis=1)[:, -self.window:]
+      first_hybrid = routing == "hybrid" and not state
+      pooled = masked_mean(route_input, valid) if first_hybrid else masked_mean(window, seen)
+    tokens, _ = self.select(pooled, bank)
+    k, v = self.attn.keys_values(tokens)
+    new = {"k": k, "v": v} if routing == "sequence" else {"window": window, "seen": seen}
+    return self.attn.attend(self.norm(h), k, v), new
 
   def keys_values_in_use(self, bank, ids):
     """Keys and values [U, T, Hkv, dh] of the chapters `ids` may name, and `ids` re-indexed into them.
@@ -231,24 +321,24 @@ class MemoryLayer(nnx.Module):
     """
     if ids.size < bank.shape[0] and not current("chapters")[0]:
       used, inverse = jnp.unique(ids.reshape(-1), size=ids.size, fill_value=0, return_inverse=True)
-      bank, ids = jnp.take(bank, used, axis=0), inverse.reshape(ids.shape).astype(ids.dtype)
-    k, v = self.attn.keys_values(normalize_tokens(bank, self.token_norm, self.token_norm_eps))
+      bank, ids = bank.take(used, axis=0), inverse.reshape(ids.shape).astype(ids.dtype)
+    k, v = self.attn.keys_values(normalize_tokens(dequantize(bank), self.token_norm, self.token_norm_eps))
     return k, v, ids
 
-  def read_per_position(self, h, route_input, bank, valid):
-    """token / prefix / chunk routing: each position reads its own chapters."""
-    routed_ids, routed_w, stats = self.decide(route_input, valid)
+  def read_per_position(self, h, pooled, bank, routing):
+    """token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
+    routed_ids, routed_w, stats = self.decide(pooled)
     q = self.attn.queries(self.norm(h))
 
     def read(ids, logit_scale, value_scale, combine):
       k, v, ids = self.keys_values_in_use(bank, ids)
-      slots = (per_position(x, self.routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
+      slots = (per_position(x, routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
       return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
 
-    if self.routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
+    if routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
       out = read(routed_ids, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
       if self.num_shared:
-        shared = normalize_tokens(bank[:self.num_shared], self.token_norm, self.token_norm_eps)
+        shared = normalize_tokens(dequantize(bank[:self.num_shared]), self.token_norm, self.token_norm_eps)
         ks, vs = self.attn.keys_values(jnp.broadcast_to(shared.reshape(1, -1, shared.shape[-1]),
                                                         (q.shape[0], shared.shape[0] * shared.shape[1], shared.shape[-1])))
         out = out + attention(q, ks, vs).reshape(out.shape)

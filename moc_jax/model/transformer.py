@@ -32,20 +32,29 @@ class Block(nnx.Module):
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
 
-  def __call__(self, h, positions, mask, valid, bank):
+  def __call__(self, h, positions, mask, valid, bank, cache=None, index=None):
+    """-> (h, router stats). With `cache` (cached decoding, model/decode.py: this block's {k, v[, memory]},
+    new positions from slot `index`) -> (h, updated cache)."""
     route_input = h  # routing reads the layer input, before any norm (MoC-PT)
-    h = h + self.attn(self.attn_norm(h), positions, mask)
+    if cache is None:
+      h = h + self.attn(self.attn_norm(h), positions, mask)
+    else:
+      out, (k, v) = self.attn(self.attn_norm(h), positions, mask, (cache["k"], cache["v"]), index)
+      h, new_cache = h + out, {"k": k, "v": v}
     stats = None
     if self.variant == "B":
       h = h + self.mlp(self.mlp_norm(h))
     if self.memory is not None:
-      out, stats = self.memory(h, route_input, bank, valid)
+      if cache is None:
+        out, stats = self.memory(h, route_input, bank, valid)
+      else:
+        out, new_cache["memory"] = self.memory.decode(h, route_input, bank, valid, cache["memory"], index)
       h = h + out
     if self.variant == "B":
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
     else:
       h = h + self.mlp(self.mlp_norm(h))
-    return constrain(h, "batch", None, None), stats
+    return constrain(h, "batch", None, None), (stats if cache is None else new_cache)
 
 
 class Group(nnx.Module):
@@ -55,16 +64,21 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
     self.remat = cfg.model.remat
 
-  def __call__(self, h, positions, mask, valid, banks, bank_of):
-    stats, mem_i = [], 0
-    for block in self.blocks:
+  def __call__(self, h, positions, mask, valid, banks, bank_of, cache=None, index=None):
+    """-> (h, router stats of the memory blocks); with `cache` (one per block) -> (h, updated caches)."""
+    outs, mem_i = [], 0
+    for i, block in enumerate(self.blocks):
       bank = None
       if block.memory is not None:
         bank, mem_i = banks[bank_of[mem_i]], mem_i + 1
+      if cache is not None:  # decoding keeps no activations for a backward pass: no remat
+        h, c = block(h, positions, mask, valid, bank, cache[i], index)
+        outs.append(c)
+        continue
       h, s = self._run(block, h, positions, mask, valid, bank)
       if s is not None:
-        stats.append(s)
-    return h, stats
+        outs.append(s)
+    return h, outs
 
   def _run(self, block, h, positions, mask, valid, bank):
     if self.remat == "none":
@@ -129,28 +143,40 @@ class Transformer(nnx.Module):
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
       mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    h = constrain(self.embed(input_ids), "batch", None, None)
-    banks = self.bank.memory[...] if self.bank is not None else None
-    if self.plan.scanned:
-      h, stats = self._scan(h, positions, mask, valid, banks)
-    else:
-      h, stats = self.layers(h, positions, mask, valid, banks, self.bank_ids)
-      stats = _stack(stats) if stats else None
+    h, stats = self._trunk(input_ids, positions, mask, valid)
     return self.final_norm(h), self._aux(stats)
 
-  def _scan(self, h, positions, mask, valid, banks):
+  def forward_cached(self, input_ids, positions, mask, valid, cache, index):
+    """Cached decoding (model/decode.py owns the cache): the next L positions [B, L] at slots
+    [index, index+L) -> (logits [B, L, V] float32, updated per-block caches)."""
+    h, cache = self._trunk(input_ids, positions, mask, valid, cache, index)
+    return self.logits(self.final_norm(h)), cache
+
+  def _trunk(self, input_ids, positions, mask, valid, cache=None, index=None):
+    """Embedding and layers -> (h, stacked router stats, or with `cache` the updated caches)."""
+    h = constrain(self.embed(input_ids), "batch", None, None)
+    banks = self.bank.read() if self.bank is not None else None  # float, or quantized codes
+    if self.plan.scanned:
+      return self._scan(h, positions, mask, valid, banks, cache, index)
+    h, out = self.layers(h, positions, mask, valid, banks, self.bank_ids, cache, index)
+    if cache is None:
+      out = _stack(out) if out else None
+    return h, out
+
+  def _scan(self, h, positions, mask, valid, banks, cache=None, index=None):
     graphdef, state = nnx.split(self.layers)
     per_group_bank = banks is not None and banks.shape[0] > 1  # per_layer sharing: bank g <-> group g
 
     def body(h, xs):
-      group_state, bank = xs
+      group_state, bank, group_cache = xs
       group_banks = bank[None] if per_group_bank else banks
-      h, stats = nnx.merge(graphdef, group_state)(h, positions, mask, valid, group_banks, (0,))
-      return constrain(h, "batch", None, None), (stats[0] if stats else None)
+      h, out = nnx.merge(graphdef, group_state)(h, positions, mask, valid, group_banks, (0,), group_cache, index)
+      if group_cache is None:
+        out = out[0] if out else None
+      return constrain(h, "batch", None, None), out
 
-    xs = (state, banks if per_group_bank else None)
-    h, stats = jax.lax.scan(body, h, xs)
-    return h, stats
+    xs = (state, banks if per_group_bank else None, cache)
+    return jax.lax.scan(body, h, xs)
 
   def _aux(self, stats):
     if stats is None:
