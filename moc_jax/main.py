@@ -1,7 +1,7 @@
 """`python -m moc_jax.main --config=configs/moc.py:tiny --workdir=runs/tiny [--config.a.b=v] [--mode=...]`.
 
 train (default): trains, evaluates and checkpoints into the workdir, resuming if it holds checkpoints.
-eval: evaluates the newest checkpoint of the workdir on the validation split (and fact-recall probes).
+eval: evaluates the newest checkpoint of the workdir as `python -m moc_jax.eval` does, under --config.
 compile: lowers and compiles the train step for the configured mesh and prints a per-device memory
   report as one JSON line (no workdir needed; `--config.num_fake_devices=8` on a CPU).
 Multi-host: `--distributed` (TPU pods, SLURM: detected by JAX) or `--coordinator_address=HOST:PORT
@@ -10,7 +10,6 @@ every process runs the same command and feeds its own slice of each batch.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
@@ -52,8 +51,9 @@ def main(argv):
     validate(FLAGS.config)
     if FLAGS.mode == "train":
       train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    elif FLAGS.mode == "eval":
-      print(json.dumps(evaluate_checkpoint(FLAGS.config, FLAGS.workdir)))
+    elif FLAGS.mode == "eval":  # the same evaluation as `python -m moc_jax.eval`, under this --config
+      from moc_jax.eval import markdown_table
+      print(markdown_table(evaluate_checkpoint(FLAGS.config, FLAGS.workdir)))
     else:
       from moc_jax import compile_report
       compile_report.main(FLAGS.config)

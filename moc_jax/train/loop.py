@@ -297,13 +297,9 @@ class Evaluator:
     return out
 
 
-def evaluate_checkpoint(config, workdir: str) -> dict:
-  """--mode=eval: validation CE (and fact recall) of the newest checkpoint in `workdir`, restored
-  onto this run's mesh whatever mesh saved it."""
-  mesh = sharding.make_mesh(config)
-  with sharding.activate(mesh, sharding.rules_of(config)):
-    layout = build_state(config, mesh)
-    params, step = ckpt_lib.restore_params(workdir, layout.abstract["params"], padding=layout.padding)
-    batch_sharding = sharding.data_sharding(config, mesh)
-    return {"step": step, "split": "validation",
-            **Evaluator(config, layout.graphdef, layout.shardings["params"], batch_sharding)(params)}
+def evaluate_checkpoint(config, workdir: str, options=None) -> dict:
+  """--mode=eval: `moc_jax.eval.evaluate` of the newest checkpoint in `workdir` (CE on the validation
+  split, fact recall, routing analysis; eval.json written), restored onto this run's mesh whatever mesh
+  saved it."""
+  from moc_jax.eval import evaluate
+  return evaluate(config, workdir, options)

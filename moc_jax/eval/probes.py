@@ -1,0 +1,107 @@
+"""Fact recall on moc_facts probes: log-likelihood choice among candidates and greedy exact match.
+
+Choice scoring follows MoC-PT's MCQ harness: each row is prompt + continuation, right-padded, scored by
+the mean log-likelihood of the continuation tokens (length-normalised); the argmax candidate wins.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moc_jax.eval.scoring import Scorer, chunk_rows, continuation, everywhere, in_chunks, make_rows, pad_rows, stderr
+
+HEAD_DOCS = 10  # a fact is "head" if its entity has at least this many training documents
+# Buckets of an entity's training documents for the long-tail breakdown: [1, 3), [3, 10), ..., [1000, inf).
+DOC_BUCKET_EDGES = (1, 3, 10, 30, 100, 300, 1000)
+
+
+def select_probes(probes, n, seed):
+  """A fixed random sample of probes whose entity occurs in training (unseen facts cannot be recalled)."""
+  seen = [p for p in probes if p["doc_count"] > 0]
+  order = np.random.default_rng(seed).permutation(len(seen))[:n]
+  return [seen[i] for i in sorted(order)]
+
+
+class ProbeEvaluator:
+  """Scores a fixed list of probes with the current params (jitted; shapes fixed per run)."""
+
+  def __init__(self, graphdef, probes, tokenizer, batch_rows: int = 64):
+    self.probes = probes
+    self.num_candidates = len(probes[0]["candidates"])
+    self.scorer = Scorer(graphdef, batch_rows)
+    self.rows = make_rows([(tokenizer.encode(p["prompt"]), tokenizer.encode(continuation(p["prompt"], cand)))
+                           for p in probes for cand in p["candidates"]], tokenizer.pad_id)
+    self.answer_index = np.array([p["candidates"].index(p["answer"]) for p in probes])
+    self.prompts = [tokenizer.encode(p["prompt"]) for p in probes]
+    self.answers = [tokenizer.encode(continuation(p["prompt"], p["answer"])) for p in probes]
+    self.gen_ids, self.gen_mask = pad_rows([p + [tokenizer.pad_id] * len(a) for p, a in
+                                            zip(self.prompts, self.answers)], tokenizer.pad_id)
+    self.gen_mask[:] = 0
+    for i, p in enumerate(self.prompts):
+      self.gen_mask[i, :len(p)] = 1
+    self.num_new = max(len(a) for a in self.answers)
+    self.gen_rows = chunk_rows(len(probes), batch_rows)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    def greedy(params, ids, mask, starts, num_new):
+      model = nnx.merge(graphdef, params)
+      rows = jnp.arange(ids.shape[0])
+
+      def body(i, carry):
+        ids, mask = carry
+        logits, _ = model(ids, mask, train=False)
+        pos = starts + i
+        nxt = jnp.argmax(logits[rows, pos - 1], axis=-1).astype(ids.dtype)
+        return ids.at[rows, pos].set(nxt), mask.at[rows, pos].set(1)
+      ids, _ = jax.lax.fori_loop(0, num_new, body, (ids, mask))
+      return everywhere(ids)
+
+    self._greedy = greedy
+
+  def per_probe(self, params):
+    """(chosen candidate is the answer, greedy continuation equals the answer): bool [num_probes] each."""
+    loglik, count = self.scorer(params, self.rows)
+    scores = loglik / np.maximum(count, 1).astype(np.float32)
+    correct = scores.reshape(len(self.probes), self.num_candidates).argmax(-1) == self.answer_index
+    starts = np.array([len(p) for p in self.prompts], np.int32)
+    out = in_chunks(lambda ids, mask, st: self._greedy(params, ids, mask, st, self.num_new), self.gen_rows,
+                    self.gen_ids, self.gen_mask, starts)
+    exact = np.array([out[i, s:s + len(a)].tolist() == a for i, (s, a) in enumerate(zip(starts, self.answers))])
+    return correct, exact
+
+  def summary(self, correct, exact) -> dict:
+    """The training log's recall metrics: overall, and head vs long-tail entities."""
+    head = np.array([p["doc_count"] >= HEAD_DOCS for p in self.probes])
+    out = {"probe_acc": float(np.mean(correct)), "probe_exact": float(np.mean(exact)),
+           "probe_chance": 1.0 / self.num_candidates, "num_probes": len(self.probes)}
+    for name, sel in (("head", head), ("tail", ~head)):  # frequent vs long-tail entities
+      if sel.any():
+        out[f"probe_acc_{name}"] = float(np.mean(correct[sel]))
+    return out
+
+  def __call__(self, params) -> dict:
+    return self.summary(*self.per_probe(params))
+
+
+def recall_by_bucket(probes, correct, exact, edges=DOC_BUCKET_EDGES) -> list[dict]:
+  """Recall per bucket of the entity's training-document count ([0, edges[0]), [edges[0], edges[1]), ...,
+  [edges[-1], inf)); empty buckets are left out. How recall falls along the long tail."""
+  docs = np.array([p["doc_count"] for p in probes])
+  correct, exact = np.asarray(correct, bool), np.asarray(exact, bool)
+  bounds = [0, *edges, None]
+  out = []
+  for lo, hi in zip(bounds, bounds[1:]):
+    sel = (docs >= lo) & (docs < hi if hi is not None else True)
+    n = int(sel.sum())
+    if not n:
+      continue
+    acc = float(correct[sel].mean())
+    out.append({"docs": f"{lo}-{hi - 1}" if hi is not None else f"{lo}+", "min_docs": lo,
+                "max_docs": None if hi is None else hi - 1, "probes": n,
+                "entities": len({p["entity"] for p, s in zip(probes, sel) if s}),
+                "acc": acc, "acc_stderr": stderr(acc, n), "exact": float(exact[sel].mean())})
+  return out

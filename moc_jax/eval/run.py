@@ -1,0 +1,325 @@
+"""Evaluating a saved run: its config rebuilt from config.json, its parameters restored onto this
+machine's mesh, then CE on a split, fact recall by entity frequency, MCQ benchmarks and routing analysis,
+written to eval.json (+ routing plots) and summarised as a markdown table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from ml_collections import config_dict
+
+from moc_jax import checkpoint as ckpt_lib
+from moc_jax import data as data_lib
+from moc_jax import sharding
+from moc_jax.config import REPO_ROOT, ConfigError, memory_layers
+from moc_jax.eval import mcq
+from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes
+from moc_jax.eval.scoring import Scorer, everywhere, stderr
+from moc_jax.losses import forward, next_token_nll
+
+log = logging.getLogger("moc_jax")
+
+
+# --- the run's config --------------------------------------------------------------------------------
+
+def base_config() -> config_dict.ConfigDict:
+  """configs/common.py's every-field defaults (the structure config.json is read into)."""
+  path = os.path.join(REPO_ROOT, "configs", "common.py")
+  spec = importlib.util.spec_from_file_location("_moc_cfg_common", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.base_config()
+
+
+def _as_saved(value):
+  """JSON lists back to the tuples the config holds."""
+  return tuple(_as_saved(v) for v in value) if isinstance(value, list) else value
+
+
+def _merge(config, saved, path, prefix=""):
+  """Writes `saved` (a JSON object) into `config`; returns the dotted keys this version has no field for."""
+  ignored = []
+  for key, value in saved.items():
+    name = prefix + key
+    if key not in config:
+      ignored.append(name)
+    elif isinstance(config[key], config_dict.ConfigDict) and isinstance(value, dict):
+      ignored += _merge(config[key], value, path, name + ".")
+    else:
+      try:
+        config[key] = _as_saved(value)
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: field {name}={value!r} does not fit this version's config ({e}); "
+                          f"override it with --config.{name}=...") from e
+  return ignored
+
+
+def load_run_config(workdir: str, overrides: dict | None = None) -> config_dict.ConfigDict:
+  """The run's config: workdir/config.json read into the base config, the mesh reset to this machine's
+  devices (data-parallel over all; a checkpoint restores onto any mesh), then dotted `overrides`.
+  Not validated: validate after choosing the devices (`num_fake_devices`)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir {workdir!r} does not exist; pass the directory of a training run "
+                      "(it holds config.json and checkpoints/)")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{path} not found: --workdir must be the directory a training run wrote (training "
+                      "saves its config there); for a checkpoint without it use `python -m moc_jax.main "
+                      "--mode=eval --config=... --workdir=...`")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); restore it from the run or use `python -m "
+                      "moc_jax.main --mode=eval --config=...`") from e
+  config = base_config()
+  ignored = _merge(config, saved, path)
+  if ignored:
+    log.warning("moc_jax: %s: ignored fields this version does not have: %s", path, ", ".join(ignored))
+  base = base_config()
+  config.mesh, config.num_fake_devices = base.mesh, base.num_fake_devices
+  try:
+    config.update_from_flattened_dict(dict(overrides or {}))
+  except (KeyError, AttributeError, TypeError) as e:
+    raise ConfigError(f"--config override: {e}") from e
+  return config
+
+
+# --- one split: CE and the routing decisions behind it ------------------------------------------------
+
+def split_batches(config, split: str) -> list[dict]:
+  """The split's global eval batches (the training evaluation's rows, `train.eval_batches` of them)."""
+  from moc_jax.train.loop import micro_batch_config
+  d = micro_batch_config(config)
+  d.batch_size = config.train.batch_size * config.train.grad_accum
+  return list(data_lib.make_eval_batches(d, split=split, max_batches=config.train.eval_batches))
+
+
+class SplitEvaluator:
+  """CE and perplexity over batches (as the training loop's validation), one jitted forward per batch
+  that also returns the routing decisions (aux `chapters`) for `on_routing`."""
+
+  def __init__(self, graphdef, p_shard, batch_sharding, batches):
+    self.batches, self.sharding = batches, batch_sharding
+
+    def step(params, batch):
+      logits, aux = forward(nnx.merge(graphdef, params), batch, train=False)
+      nll, count = next_token_nll(logits, batch["labels"])
+      return nll, count, (everywhere(aux["chapters"]) if "chapters" in aux else None)
+
+    self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
+
+  def __call__(self, params, on_routing=None) -> dict:
+    nll, count = 0.0, 0
+    for b in self.batches:
+      b = {k: v for k, v in b.items() if k != "n_malformed"}
+      s, c, chapters = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding,
+                                                                          lambda i, v=v: v[i]) for k, v in b.items()})
+      nll, count = nll + float(s), count + int(c)
+      if on_routing is not None and chapters is not None:
+        on_routing(np.asarray(chapters), b["attention_mask"])
+    ce = nll / max(count, 1)
+    return {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}
+
+
+# --- the whole evaluation ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class EvalOptions:
+  step: int | None = None                 # None: the newest checkpoint
+  split: str = "validation"
+  num_probes: int | None = None           # None: train.num_probes (the training log's sample); 0: every seen fact
+  bucket_edges: tuple = DOC_BUCKET_EDGES
+  mcq: dict = dataclasses.field(default_factory=dict)      # name -> .jsonl path
+  mcq_dev: dict = dataclasses.field(default_factory=dict)  # name -> .jsonl path of k-shot examples
+  shots: int = 0
+  mcq_limit: int = 0                      # > 0: the first N questions of each benchmark
+  analyze_routing: bool = True
+  ablate_chapters: str | None = None
+  quantize_bank: str | None = None        # int8 | int4: also evaluate with the bank quantized
+  out: str | None = None                  # eval.json path (default workdir/eval.json); plots beside it
+
+
+def restore(workdir, layout, step=None):
+  """(params, step): parameters only, restored onto `layout`'s abstract sharded params (this mesh)."""
+  directory = ckpt_lib.checkpoint_dir(workdir)
+  if step is not None:
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+    if step not in steps:
+      raise ckpt_lib.CheckpointError(f"no checkpoint of step {step} under {directory}; saved steps: {steps} "
+                                     "(omit --step for the newest)")
+  return ckpt_lib.restore_params(workdir, layout.abstract["params"], step=step, padding=layout.padding)
+
+
+def _mcq_questions(o) -> dict:
+  """name -> (format, path, questions) for `o.mcq`: every file read and checked before anything is compiled."""
+  unknown = sorted(set(o.mcq_dev) - set(o.mcq))
+  if unknown:
+    raise data_lib.DataError(f"--mcq_dev names {unknown} that --mcq does not; use the same name in both")
+  out = {}
+  for name, path in o.mcq.items():
+    fmt, items = mcq.load(path)
+    dev = []
+    if o.shots:
+      if name not in o.mcq_dev:
+        raise data_lib.DataError(f"--shots {o.shots} needs k-shot examples for {name!r}: add --mcq_dev={name}:PATH")
+      dev_fmt, dev = mcq.load(o.mcq_dev[name])
+      if dev_fmt != fmt:
+        raise data_lib.DataError(f"--mcq_dev {o.mcq_dev[name]} is {dev_fmt}, but {path} is {fmt}: give the "
+                                 "same benchmark's dev file")
+    out[name] = (fmt, path, mcq.with_shots(items[:o.mcq_limit] if o.mcq_limit else items, dev, o.shots))
+  return out
+
+
+def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
+  """Evaluates `workdir`'s checkpoint under `config` (validated) on this machine's mesh; writes eval.json
+  and the routing plots (process 0) and returns the report."""
+  from moc_jax.train.loop import build_state
+  from moc_jax import routing_analysis as ra
+  o = options or EvalOptions()
+  questions = _mcq_questions(o)  # bad input fails here, before anything is restored or compiled
+  ablation = ra.parse_ablation(o.ablate_chapters, config) if o.ablate_chapters else None
+  if o.quantize_bank and not memory_layers(config):
+    raise ConfigError(f"--quantize_bank={o.quantize_bank}: {config.name} has no memory bank to quantize")
+  out_path = os.path.abspath(o.out or os.path.join(workdir, "eval.json"))
+  tokenizer = data_lib.get_tokenizer(config.data.tokenizer)
+  mesh = sharding.make_mesh(config)
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    layout = build_state(config, mesh)
+    params, step = restore(workdir, layout, o.step)
+    graphdef = layout.graphdef
+    report = {"workdir": os.path.abspath(workdir), "step": step, "config": config.name,
+              "devices": mesh.size, "mesh": dict(mesh.shape), "split": o.split}
+    usage = ra.Usage(config) if memory_layers(config) and (o.analyze_routing or ablation) else None
+    split_eval = SplitEvaluator(graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
+                                split_batches(config, o.split))
+    report.update(split_eval(params, usage.add if usage else None))
+    probes = None
+    if config.data.name == "moc_facts":
+      all_probes = data_lib.load_probes(config.data)
+      probes = select_probes(all_probes, config.train.num_probes if o.num_probes is None
+                             else (o.num_probes or len(all_probes)), config.seed)
+      report["fact_recall"] = _fact_recall(ProbeEvaluator(graphdef, probes, tokenizer), params, o.bucket_edges)
+    if questions:
+      scorer = Scorer(graphdef)
+      report["mcq"] = {name: {"format": fmt, "path": path, "shots": o.shots,
+                              **mcq.evaluate(scorer, params, qs, tokenizer, config.model.max_seq_len)}
+                       for name, (fmt, path, qs) in questions.items()}
+    report["files"] = {"eval_json": out_path}
+    if usage is not None and o.analyze_routing:
+      report["routing"] = {"routing": config.memory.routing, "num_shared": config.memory.num_shared,
+                           "layers": usage.stats()}
+      if probes:
+        report["routing"]["stability"] = ra.stability(ra.Router(graphdef), params, probes, tokenizer, config)
+      stem = os.path.splitext(out_path)[0]
+      report["files"].update(routing_heatmap=stem + "_routing_heatmap.png", routing_usage=stem + "_routing_usage.png")
+      if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(out_path), exist_ok=True)
+        ra.plot(usage, report["files"]["routing_heatmap"], report["files"]["routing_usage"])
+    if o.quantize_bank:
+      report["quantized_bank"] = _quantized(config, mesh, graphdef, params, split_eval, report, o.quantize_bank,
+                                            probes, tokenizer, o.bucket_edges)
+    if ablation:
+      mask = ra.ablation_mask(ablation, usage)
+      ce = split_eval(ra.zero_chapters(params, mask))["ce"]
+      report["ablation"] = {"spec": o.ablate_chapters,
+                            "chapters": {str(b): np.flatnonzero(m).tolist() for b, m in enumerate(mask)},
+                            "selections_share": _selection_share(usage, mask), "ce": ce, "ce_delta": ce - report["ce"]}
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
+      json.dump(report, f, indent=1)
+  return report
+
+
+def _fact_recall(evaluator, params, edges) -> dict:
+  """The training log's recall metrics, with a standard error and the breakdown by entity frequency."""
+  correct, exact = evaluator.per_probe(params)
+  out = evaluator.summary(correct, exact)
+  return {**out, "probe_acc_stderr": stderr(out["probe_acc"], len(correct)),
+          "buckets": recall_by_bucket(evaluator.probes, correct, exact, edges)}
+
+
+def _quantized(config, mesh, graphdef, params, split_eval, report, bits, probes, tokenizer, edges) -> dict:
+  """CE (and fact recall) with the bank stored as int8 / int4 codes (moc_jax/quantize.py), against the float
+  bank's figures in `report`: the same batches and probes, the codes sharded like the bank."""
+  from moc_jax import quantize
+  q_graphdef, q_state = nnx.split(quantize.quantize_model(nnx.merge(graphdef, params), bits))
+  q_eval = SplitEvaluator(q_graphdef, sharding.logical_shardings(q_state, mesh, sharding.rules_of(config)),
+                          split_eval.sharding, split_eval.batches)
+  bank = q_state["bank"]
+  out = {"bits": bits, **q_eval(q_state), "bank_bytes": bank["codes"][...].size + 4 * bank["scales"][...].size,
+         "float_bank_bytes": 4 * params["bank"]["memory"][...].size}
+  out["ce_delta"] = out["ce"] - report["ce"]
+  if probes:
+    out["fact_recall"] = _fact_recall(ProbeEvaluator(q_graphdef, probes, tokenizer), q_state, edges)
+    out["probe_acc_delta"] = out["fact_recall"]["probe_acc"] - report["fact_recall"]["probe_acc"]
+  return out
+
+
+def _selection_share(usage, mask):
+  """Per memory layer, the share of its routed selections that went to the ablated chapters."""
+  out = {}
+  for i, (layer, bank) in enumerate(zip(usage.layers, usage.banks)):
+    total = usage.counts[i, usage.num_shared:].sum()
+    out[str(layer)] = float(usage.counts[i][mask[bank]].sum() / max(total, 1))
+  return out
+
+
+# --- the summary --------------------------------------------------------------------------------------
+
+def _pm(value, err):
+  return f"{value:.3f} ± {err:.3f}"
+
+
+def markdown_table(report: dict) -> str:
+  """The report's headline numbers as markdown tables (eval.json holds everything)."""
+  lines = [f"## {report['workdir']} — step {report['step']} ({report['config']}, {report['devices']} devices)", "",
+           "| metric | value |", "|---|---:|",
+           f"| {report['split']} CE (nats/token) | {report['ce']:.4f} |",
+           f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
+  fr = report.get("fact_recall")
+  if fr:
+    lines += [f"| fact recall, likelihood choice ({fr['num_probes']} probes, chance {fr['probe_chance']:.2f}) | "
+              f"{_pm(fr['probe_acc'], fr['probe_acc_stderr'])} |",
+              f"| fact recall, greedy exact match | {fr['probe_exact']:.3f} |", "",
+              "| entity training docs | probes | entities | recall | exact match |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {b['docs']} | {b['probes']} | {b['entities']} | {_pm(b['acc'], b['acc_stderr'])} | "
+              f"{b['exact']:.3f} |" for b in fr["buckets"]]
+  if report.get("mcq"):
+    lines += ["", "| benchmark | format | items | shots | acc | acc_norm | chance |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {r['format']} | {r['items']} | {r['shots']} | {_pm(r['acc'], r['acc_stderr'])} | "
+              f"{_pm(r['acc_norm'], r['acc_norm_stderr'])} | {r['chance']:.3f} |"
+              for name, r in report["mcq"].items()]
+  routing = report.get("routing")
+  if routing:
+    stab = {s["layer"]: s for s in routing.get("stability", [])}
+    lines += ["", f"routing ({routing['routing']}; shared chapters not counted):", "",
+              "| memory layer | chapters ever selected | usage entropy / max (nats) | effective chapters | "
+              "Jaccard paraphrase | Jaccard other entity |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in routing["layers"]:
+      s = stab.get(r["layer"], {})
+      jac = " | ".join(f"{s.get(k, float('nan')):.3f}" for k in ("paraphrase_jaccard", "other_entity_jaccard"))
+      lines.append(f"| {r['layer']} | {r['chapters_selected']} ({r['chapters_selected_frac']:.0%}) | "
+                   f"{r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | {r['effective_chapters']:.1f} | {jac} |")
+  q = report.get("quantized_bank")
+  if q:
+    lines += ["", f"{q['bits']} bank ({q['bank_bytes'] / 1e6:.2f} MB, float32 {q['float_bank_bytes'] / 1e6:.2f} MB): "
+              f"{report['split']} CE {report['ce']:.6f} -> {q['ce']:.6f} ({q['ce_delta']:+.3g})"
+              + (f"; fact recall {report['fact_recall']['probe_acc']:.3f} -> {q['fact_recall']['probe_acc']:.3f}"
+                 if "fact_recall" in q else "")]
+  ab = report.get("ablation")
+  if ab:
+    n = max(len(v) for v in ab["chapters"].values())
+    lines += ["", f"ablation `{ab['spec']}` ({n} chapters zeroed): CE {report['ce']:.4f} -> {ab['ce']:.4f} "
+              f"({ab['ce_delta']:+.3g})"]
+  lines += [""] + [f"{k}: {v}" for k, v in report["files"].items()]
+  return "\n".join(lines)
