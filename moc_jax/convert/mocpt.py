@@ -3,15 +3,23 @@
 `config_from_mocpt` maps their `model:` / `memory:` sections (reference_spec.md §2) onto our config and
 refuses what we do not implement (naming the field). `param_map` lists, for every MoC-PT tensor, where it
 lives in our parameter tree and how its layout differs; loading and gradient comparison both use it.
+
+`python -m moc_jax.convert.mocpt --state_dict model.pt --config their.yaml --out DIR [--step 0]` turns a
+MoC-PT checkpoint into a moc_jax workdir (DIR/config.json, DIR/checkpoints/) that the evaluations
+(`python -m moc_jax.eval --workdir=DIR`, `--mode=eval`) and `--config.train.init_from=DIR` accept.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 import os
+import pickle
 import sys
 
+import ml_dtypes
 import numpy as np
-from flax import nnx
+from flax import nnx, traverse_util
 
 from moc_jax.config import REPO_ROOT, ConfigError, bank_ids, layer_plan, memory_layers, validate
 
@@ -105,6 +113,15 @@ class Entry:
       return t.reshape(leaf_shape[1:])
     return t
 
+  def mocpt_shape(self, leaf_shape) -> tuple:
+    """The MoC-PT tensor's shape for our leaf of `leaf_shape`."""
+    shape = tuple(leaf_shape if self.index is None else leaf_shape[1:])
+    if self.kind == "linear":
+      return shape[::-1]
+    if self.kind == "bank":
+      return (math.prod(shape[:-1]), shape[-1])
+    return shape
+
   def from_ours(self, a):
     a = a if self.index is None else a[self.index]
     if self.kind == "linear":
@@ -156,39 +173,71 @@ def _check_buffers(config, state_dict):
     raise ConfigError("MoC-PT lm_head.weight differs from embed_tokens.weight: only tied heads are supported")
   d = config.model.d_model // config.model.num_heads
   expected = 1.0 / config.model.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-  for key, value in state_dict.items():
-    if key.endswith("rotary.inv_freq") and not np.allclose(value, expected, rtol=1e-6):
+  for key, value in state_dict.items():  # to the precision it was saved in (MoC-PT's save_precision)
+    if key.endswith("rotary.inv_freq") and not np.allclose(
+        np.asarray(value, np.float64), expected, rtol=max(1e-6, 2 * float(ml_dtypes.finfo(value.dtype).eps))):
       raise ConfigError(f"MoC-PT {key} does not match rope_theta={config.model.rope_theta}")
 
 
-def load_mocpt_state(model, state_dict) -> None:
-  """Copies a MoC-PT state_dict (numpy arrays, their key names) into `model` in place."""
-  config = model.cfg
-  _check_buffers(config, state_dict)
+def _listing(what, names, limit=8):
+  return f"{what} {len(names)}: {', '.join(names[:limit])}{', ...' if len(names) > limit else ''}"
+
+
+def mocpt_params(config, state_dict, shapes) -> dict:
+  """MoC-PT state_dict (numpy arrays, their key names) -> our parameter pure dict, float32 numpy.
+
+  `shapes` maps each of our parameter paths to its shape in the user view (the bank holds exactly
+  num_chapters chapters). ConfigError lists the missing, unexpected and mis-shaped tensors; the tied
+  `lm_head.weight` and the RoPE `inv_freq` buffers are checked, not loaded.
+  """
   entries = param_map(config)
+  unmapped = sorted("/".join(map(str, p)) for p in set(shapes) - {e.path for e in entries.values()})
+  if unmapped:
+    raise NotImplementedError(f"no MoC-PT tensor maps to our parameters {unmapped}")
   missing = sorted(set(entries) - set(state_dict))
   extra = sorted(k for k in state_dict if k not in entries and not k.endswith("rotary.inv_freq")
                  and k != "lm_head.weight")
-  if missing or extra:
-    raise ConfigError(f"MoC-PT state_dict does not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
-  state = nnx.state(model, nnx.Param)
-  pure = state.to_pure_dict()
-  arrays = {}
+  misshaped = [f"{k} {tuple(np.shape(state_dict[k]))} (expected {e.mocpt_shape(shapes[e.path])})"
+               for k, e in entries.items() if k in state_dict
+               and tuple(np.shape(state_dict[k])) != e.mocpt_shape(shapes[e.path])]
+  if missing or extra or misshaped:
+    problems = [_listing(w, n) for w, n in (("missing", missing), ("unexpected", extra),
+                                            ("mis-shaped", misshaped)) if n]
+    raise ConfigError("MoC-PT state_dict does not match the config: " + "; ".join(problems))
+  _check_buffers(config, state_dict)
+  arrays = {path: np.zeros(shape, np.float32) for path, shape in shapes.items()}
   for key, e in entries.items():
-    leaf = _get(pure, e.path)
-    arr = arrays.setdefault(e.path, np.array(leaf, dtype=np.float32))
+    arr = arrays[e.path]
     value = e.to_ours(np.asarray(state_dict[key], np.float32), arr.shape)
     if e.index is None:
-      if value.shape != arr.shape:
-        raise ConfigError(f"MoC-PT {key}: shape {np.shape(state_dict[key])} does not fit {arr.shape}")
       arr[...] = value
     else:
-      if value.shape != arr.shape[1:]:
-        raise ConfigError(f"MoC-PT {key}: shape {np.shape(state_dict[key])} does not fit {arr.shape[1:]}")
       arr[e.index] = value
-  for path, arr in arrays.items():
-    _set(pure, path, arr)
-  nnx.replace_by_pure_dict(state, pure)
+  return traverse_util.unflatten_dict(arrays)
+
+
+def user_view_shapes(config, params) -> dict[tuple, tuple]:
+  """{path: shape} of a parameter pure dict (arrays or ShapeDtypeStructs), the bank's chapter axis
+  cut to num_chapters (as checkpoints hold it, whatever padding the mesh needs)."""
+  shapes = {path: tuple(leaf.shape) for path, leaf in traverse_util.flatten_dict(params).items()}
+  if ("bank", "memory") in shapes:
+    b, _, *rest = shapes[("bank", "memory")]
+    shapes[("bank", "memory")] = (b, config.memory.num_chapters, *rest)
+  return shapes
+
+
+def load_mocpt_state(model, state_dict) -> None:
+  """Copies a MoC-PT state_dict (numpy arrays, their key names) into `model` in place; padded chapters
+  of the bank, if any, are zero."""
+  config = model.cfg
+  state = nnx.state(model, nnx.Param)
+  pure = state.to_pure_dict()
+  loaded = mocpt_params(config, state_dict, user_view_shapes(config, pure))
+  if "bank" in loaded:
+    bank = loaded["bank"]["memory"]
+    extra = pure["bank"]["memory"].shape[1] - bank.shape[1]
+    loaded["bank"]["memory"] = np.pad(bank, [(0, 0), (0, extra), (0, 0), (0, 0)])
+  nnx.replace_by_pure_dict(state, loaded)
   nnx.update(model, state)
 
 
@@ -203,7 +252,116 @@ def _get(tree, path):
   return tree
 
 
-def _set(tree, path, value):
-  for p in path[:-1]:
-    tree = tree[p]
-  tree[path[-1]] = value
+# --- `python -m moc_jax.convert.mocpt`: a MoC-PT checkpoint as a moc_jax workdir -----------------------
+
+_WRAPPERS = ("model", "state_dict", "model_state_dict")  # torch.save'd dicts that hold a state_dict
+
+
+def read_state_dict(path: str) -> dict[str, np.ndarray]:
+  """MoC-PT tensors by state_dict name: `.npz` (names optionally under `param/`, as in the parity
+  fixtures), `.safetensors` (safetensors package) or `.pt` / `.bin` (torch)."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"--state_dict {path}: no such file")
+  ext = os.path.splitext(path)[1].lower()
+  if ext == ".npz":
+    with np.load(path) as f:
+      names = [k for k in f.files if k.startswith("param/")] or f.files
+      return {k.removeprefix("param/"): f[k] for k in names}
+  if ext == ".safetensors":
+    try:
+      from safetensors.numpy import load_file
+    except ImportError:
+      raise ConfigError(f"reading {path} needs the safetensors package: pip install safetensors") from None
+    return load_file(path)
+  if ext in (".pt", ".bin"):
+    return _read_torch(path)
+  raise ConfigError(f"--state_dict {path}: unknown format {ext!r}; use .npz, .safetensors or .pt")
+
+
+def _read_torch(path):
+  """A torch.save'd state_dict, or a dict holding one under `model`, `state_dict` or `model_state_dict`
+  (MoC-PT's trainer writes the bare state_dict as model.pt), as numpy arrays of the saved dtypes."""
+  try:
+    import torch
+  except ImportError:
+    raise ConfigError(f"reading {path} needs PyTorch: pip install torch (the CPU build suffices)") from None
+  try:
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+  except pickle.UnpicklingError as e:
+    raise ConfigError(f"{path}: torch.load(weights_only=True) refused it: {e}") from None
+  if isinstance(obj, dict):
+    obj = next((obj[k] for k in _WRAPPERS if isinstance(obj.get(k), dict)), obj)
+  if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
+    raise ConfigError(f"{path} holds no state_dict: expected a dict of tensors, bare or under one of {_WRAPPERS}")
+  return {k: v.detach().float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16
+          else v.detach().numpy() for k, v in obj.items()}
+
+
+def load_mocpt_config(path: str):
+  """Our locked config for a MoC-PT YAML (`model`, `memory` and optionally `training` sections; their
+  dataclass defaults fill the rest) or a JSON with the same sections: configs/mocpt.py reads both, so
+  compute is bf16 unless `training.mixed_precision` says otherwise, as MoC-PT trains."""
+  from moc_jax.config import load_config
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config {path}: no such file")
+  return load_config(f"{os.path.join(REPO_ROOT, 'configs', 'mocpt.py')}:{os.path.abspath(path)}")
+
+
+def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
+  """Writes `out`/config.json and the Orbax item `params` at `step` under `out`/checkpoints/, as
+  training writes them (the user view: exactly num_chapters chapters). The train-only items are absent:
+  the workdir serves evaluation and `--config.train.init_from`, not resumption. Returns the step's path."""
+  import jax
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+
+  import moc_jax
+  from moc_jax.checkpoint import ITEMS
+
+  directory = os.path.join(os.path.abspath(out), "checkpoints")
+  if os.path.isdir(directory) and os.listdir(directory):
+    raise ConfigError(f"--out {out} already holds checkpoints; import into a new directory")
+  params = nnx.state(moc_jax.abstract_model(config), nnx.Param)
+  abstract = params.to_pure_dict()
+  loaded = mocpt_params(config, state_dict, user_view_shapes(config, abstract))
+  nnx.replace_by_pure_dict(params, jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), loaded, abstract))
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(create=True))
+  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
+  manager.wait_until_finished()
+  manager.close()
+  return os.path.join(directory, str(step))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m moc_jax.convert.mocpt",
+      description="Imports a MoC-PT checkpoint into a moc_jax workdir (config.json + Orbax params).")
+  parser.add_argument("--state_dict", required=True,
+                      help="MoC-PT weights: model.pt / .bin (needs torch), .safetensors, or .npz of their tensors")
+  parser.add_argument("--config", required=True,
+                      help="the run's MoC-PT YAML (e.g. its checkpoint's config.yaml) or a JSON with model/memory")
+  parser.add_argument("--out", required=True, help="the workdir to create")
+  parser.add_argument("--step", type=int, default=0, help="checkpoint step number (default 0)")
+  args = parser.parse_args(argv)
+  if args.step < 0:
+    parser.error("--step must be >= 0")
+  try:
+    config = load_mocpt_config(args.config)
+    path = import_checkpoint(read_state_dict(args.state_dict), config, args.out, args.step)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  spec = f"configs/mocpt.py:{args.config}"
+  print(f"wrote {os.path.join(args.out, 'config.json')} and {path}\n"
+        f"evaluate: python -m moc_jax.eval --workdir={args.out}  (or python -m moc_jax.main --config={spec} "
+        f"--workdir={args.out} --mode=eval)\n"
+        f"train from it: python -m moc_jax.main --config={spec} --workdir=NEW_DIR "
+        f"--config.train.init_from={args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
