@@ -7,7 +7,13 @@ dataclass defaults (reference_spec.md §2); unknown fields are rejected, as MoC-
 implement); this file maps the training recipe onto `train.*` / `data.*`. Datasets and tokenizers are
 Hugging Face names there, so `data.name` / `data.tokenizer` keep our defaults: override them.
 Examples: configs/mocpt_examples/base_small_run2.yaml (the paper model), base_small.yaml.
+`PATH,import` (what `python -m moc_jax.convert.mocpt` reads a checkpoint's config.yaml with): a run
+length given as `training.num_epochs` is kept as `max_steps` with a warning instead of refused, since
+an imported checkpoint is evaluated, not trained to that length.
+`model.chat_template` (written by the MoC-PT version that saved the checkpoints' config.yaml; tokenizer
+formatting only) is accepted and not used.
 """
+import logging
 import os
 import re
 
@@ -19,7 +25,7 @@ from moc_jax.convert.mocpt import config_from_mocpt
 MODEL_DEFAULTS = dict(
     hidden_dim=768, num_heads=12, num_kv_heads=None, num_layers=12, intermediate_dim=3072, vocab_size=32000,
     max_seq_len=8192, max_position_embeddings=None, tokenizer_name=None, bos_token_id=None, eos_token_id=None,
-    pad_token_id=None, use_rope=True, rope_theta=10000.0, dropout=0.0, attention_dropout=0.0,
+    pad_token_id=None, chat_template=None, use_rope=True, rope_theta=10000.0, dropout=0.0, attention_dropout=0.0,
     hidden_activation="swiglu", initializer_range=0.02, self_attn_wo_init_std=None, mlp_down_proj_init_std=None,
     norm_eps=1e-6, use_rms_norm=True, base_model_name=None, freeze_base_model=True, use_flash_attention=True,
     tie_embeddings=True)
@@ -83,12 +89,15 @@ def _sections(path):
   return out
 
 
-def _schedule(t):
+def _schedule(t, for_import):
   """(steps, warmup, decay_start_step) per MoC-PT: warmup_ratio overrides warmup_steps; a WSD run without
   decay_start_* decays after warmup + wsd_stable_steps (or int(steps * wsd_stable_ratio))."""
   if t["num_epochs"] is not None:
-    raise ConfigError("MoC-PT training.num_epochs: the step count would depend on the dataset length — "
-                      "set training.max_steps instead")
+    message = (f"MoC-PT training.num_epochs={t['num_epochs']}: the step count would depend on the dataset "
+               "length — set training.max_steps instead")
+    if not for_import:
+      raise ConfigError(message)
+    logging.getLogger("moc_jax").warning("%s (imported: the schedule uses max_steps=%s)", message, t["max_steps"])
   steps = t["max_steps"]
   warmup = int(steps * t["warmup_ratio"]) if t["warmup_ratio"] is not None else t["warmup_steps"]
   decay_start = t["decay_start_step"]
@@ -99,7 +108,9 @@ def _schedule(t):
 
 
 def get_config(arg="configs/mocpt_examples/base_small_run2.yaml"):
-  """Our config equivalent to the MoC-PT YAML file at path `arg`."""
+  """Our config equivalent to the MoC-PT YAML file at path `arg` (`PATH,import`: module docstring)."""
+  for_import = arg.endswith(",import")
+  arg = arg[:-len(",import")] if for_import else arg
   path = arg if os.path.exists(arg) else os.path.join(REPO_ROOT, arg)
   if not os.path.exists(path):
     raise ConfigError(f"MoC-PT config {arg!r} not found; pass e.g. configs/mocpt.py:"
@@ -111,7 +122,7 @@ def get_config(arg="configs/mocpt_examples/base_small_run2.yaml"):
   optimizer = t["optimizer"].lower()
   if optimizer not in ("adamw", "adam"):
     raise ConfigError(f"MoC-PT training.optimizer={t['optimizer']!r}: only adamw and adam are implemented")
-  steps, warmup, decay_start = _schedule(t)
+  steps, warmup, decay_start = _schedule(t, for_import)
   c = config_from_mocpt(s["model"], s["memory"], compute_dtype=_COMPUTE_DTYPES[t["mixed_precision"]])
   c.name = f"mocpt-{os.path.splitext(os.path.basename(path))[0]}"
   c.train.update(

@@ -11,6 +11,7 @@ import os
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from moc_jax import sharding
 
@@ -61,6 +62,12 @@ class Checkpointer:
     targets = {**_user_view_abstract(abstract_state, self.padding),
                "rng": {"key": abstract_state["rng"]},
                "step": {"step": abstract_state["step"], "skipped": abstract_state["skipped"]}}
+    missing = [k for k in ITEMS if k != "data_iter" or data_iter is not None
+               if not (epath.Path(self.directory) / str(step) / k).exists()]
+    if missing:
+      raise CheckpointError(f"checkpoint {self.directory} step {step} has no {', '.join(missing)} (weights only, e.g. "
+                            "imported): it cannot be resumed. Evaluate it (python -m moc_jax.eval --workdir=...), or "
+                            "train from it in a new --workdir with --config.train.init_from=<this workdir>")
     args = {k: ocp.args.StandardRestore(v) for k, v in targets.items()}
     if data_iter is not None:
       _check_process_count(os.path.join(self.directory, str(step), "data_iter"))

@@ -211,9 +211,12 @@ def test_mocpt_yaml_errors(tmp_path):
   bad.write_text("model:\n  hidden_dims: 512\n")
   with pytest.raises(moc_jax.ConfigError, match="hidden_dims"):
     moc_jax.load_config(f"configs/mocpt.py:{bad}")
-  bad.write_text("memory:\n  use_chapters: true\ntraining:\n  num_epochs: 2\n")
+  bad.write_text("model:\n  chat_template: null\nmemory:\n  use_chapters: true\n  num_memory_tokens: 1000\n"
+                 "training:\n  num_epochs: 2\n  max_steps: 700\n")
   with pytest.raises(moc_jax.ConfigError, match="num_epochs"):
     moc_jax.load_config(f"configs/mocpt.py:{bad}")
+  # a checkpoint's config.yaml (as MoC-PT saved them: chat_template, epochs) imports; its length is max_steps
+  assert moc_jax.load_config(f"configs/mocpt.py:{bad},import").train.steps == 700
 
 
 def test_iso_flop_picker(capsys):

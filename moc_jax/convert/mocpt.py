@@ -299,12 +299,13 @@ def _read_torch(path):
 
 def load_mocpt_config(path: str):
   """Our locked config for a MoC-PT YAML (`model`, `memory` and optionally `training` sections; their
-  dataclass defaults fill the rest) or a JSON with the same sections: configs/mocpt.py reads both, so
-  compute is bf16 unless `training.mixed_precision` says otherwise, as MoC-PT trains."""
+  dataclass defaults fill the rest) or a JSON with the same sections: configs/mocpt.py reads both (as
+  `PATH,import`: a checkpoint's `training.num_epochs` is not an error), so compute is bf16 unless
+  `training.mixed_precision` says otherwise, as MoC-PT trains."""
   from moc_jax.config import load_config
   if not os.path.isfile(path):
     raise ConfigError(f"--config {path}: no such file")
-  return load_config(f"{os.path.join(REPO_ROOT, 'configs', 'mocpt.py')}:{os.path.abspath(path)}")
+  return load_config(f"{os.path.join(REPO_ROOT, 'configs', 'mocpt.py')}:{os.path.abspath(path)},import")
 
 
 def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
