@@ -16,6 +16,7 @@ from flax import nnx
 import moc_jax
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import sharding
+from moc_jax.config import ConfigError
 from moc_jax.convert import mocpt
 from moc_jax.eval.run import load_run_config
 from moc_jax.train.loop import build_state
@@ -184,6 +185,22 @@ def test_unsupported_config_names_the_field(paper, tmp_path, capsys):
   config = _write_config(tmp_path / "rope.yaml", meta, use_rope=False)
   code, out = _import(capsys, "--state_dict", tmp_path / "model.npz", "--config", config, "--out", tmp_path / "run")
   assert code == 2 and "model.use_rope" in out
+
+
+def test_inference_routing_maps_to_cached_decoding(tmp_path):
+  """MoC-PT's cache-only inference strategies (rolling, hybrid: `sequence` without a cache) become
+  memory.decode_routing with their window; an inference routing that changes the forward is refused."""
+  _, meta = _fixture("moc_pt_paper_small.npz")
+  for infer, window in (("rolling", 64), ("hybrid", 32)):
+    path = tmp_path / f"{infer}.yaml"
+    _write_config(path, {**meta, "memory": {**meta["memory"], "routing_strategy_inference": infer,
+                                            "routing_window_size": window}})
+    c = mocpt.load_mocpt_config(str(path))
+    assert (c.memory.routing, c.memory.decode_routing, c.memory.routing_window) == ("sequence", infer, window)
+  assert mocpt.load_mocpt_config(_write_config(tmp_path / "seq.yaml", meta)).memory.decode_routing == "auto"
+  bad = {**meta["memory"], "routing_strategy_train": "token", "routing_strategy_inference": "rolling"}
+  with pytest.raises(ConfigError, match="routing_strategy_train='token', _inference='rolling'"):
+    mocpt.load_mocpt_config(_write_config(tmp_path / "bad.yaml", {**meta, "memory": bad}))
 
 
 def test_existing_checkpoints_are_not_overwritten(imported, paper, tmp_path, capsys):

@@ -54,10 +54,13 @@ def config_from_mocpt(model_cfg: dict, memory_cfg: dict, compute_dtype: str = "b
     if value not in ok:
       raise ConfigError(f"MoC-PT {section}.{field}={value!r}: {why}")
   mc, mm = model_cfg, memory_cfg
-  routing = {mm.get(f"routing_strategy_{phase}", "sequence") for phase in ("train", "inference")}
-  if len(routing) != 1 or not routing <= {"sequence", "token"}:
-    raise ConfigError(f"MoC-PT memory.routing_strategy_train/_inference={sorted(routing)}: one model routes one "
-                      "way here — set both to 'sequence' or both to 'token'")
+  train, infer = (mm.get(f"routing_strategy_{phase}", "sequence") for phase in ("train", "inference"))
+  # rolling / hybrid are KV-cache strategies: without a cache MoC-PT routes them as `sequence`
+  cache_only = infer in ("rolling", "hybrid") and train == "sequence"
+  if train not in ("sequence", "token") or (infer != train and not cache_only):
+    raise ConfigError(f"MoC-PT memory.routing_strategy_train={train!r}, _inference={infer!r}: a forward routes one "
+                      "way here — set both to 'sequence' or both to 'token' (inference 'rolling' or 'hybrid' "
+                      "with train 'sequence' is cached decoding: memory.decode_routing)")
   c = _base_config()
   heads = mc["num_heads"]
   kv_heads = mc.get("num_kv_heads") or heads
@@ -89,7 +92,8 @@ def config_from_mocpt(model_cfg: dict, memory_cfg: dict, compute_dtype: str = "b
       placement_n=mm.get("memory_layer_n", 3), layer_indices=tuple(mm.get("memory_layer_indices") or ()),
       sharing=mm.get("memory_sharing", "shared"), sharing_k=mm.get("memory_sharing_k", 2),
       block_variant=mm.get("memory_block_variant", "A"), token_norm=norm,
-      token_norm_eps=float(mm.get("shared_routed_norm_eps", 1e-6)), routing=routing.pop(),
+      token_norm_eps=float(mm.get("shared_routed_norm_eps", 1e-6)), routing=train,
+      decode_routing=infer if cache_only else "auto", routing_window=int(mm.get("routing_window_size", 128)),
       init_std=mm.get("memory_init_std", 0.02), wo_init_zero=mm.get("wo_init_zero", True),
       load_balance_coef=mm["load_balance_coefficient"] if mm.get("use_load_balance_loss", True) else 0.0,
       z_loss_coef=mm["z_loss_coefficient"] if mm.get("use_z_loss", False) else 0.0,
