@@ -2,21 +2,27 @@
 
 The kernels' HBM traffic formulas are checked by enumerating the grid of a real tile plan
 (`dispatch.make_plan` on random routing): a TPU block moves when its index differs from the previous grid
-step's (inputs fetched, outputs written back), a GPU program loads what it reads. The expected tile count is
-checked against a Monte Carlo mean, the 262k figures against numbers worked out by hand, and the CLI prints
-one finite JSON line. Inputs are fresh random draws each run; every message carries the seed
-(RCA_SEED=<seed> replays).
+step's (inputs fetched, outputs written back), a GPU program loads what it reads. The xla variant's chunk
+loops are checked against the jaxpr xla.py traces: its matmuls, and what crosses a chunk (scan inputs and
+outputs, gathers from loop constants, scatter-adds into carries with their in-bounds rows counted on the
+real plan). The expected tile count is checked against a Monte Carlo mean, the 262k figures against numbers
+worked out by hand, and the CLI prints one finite JSON line. Inputs are fresh random draws each run; every
+message carries the seed (RCA_SEED=<seed> replays).
 """
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
-from kernels_pallas.routed_chapter_attention import dispatch, roofline
+from kernels_pallas.routed_chapter_attention import dispatch, roofline, xla
 
 N, SHARED, TOP_K, C, T, H, HKV, DH, BP = 48, 1, 2, 9, 16, 4, 2, 16, 8
 G, S = H // HKV, SHARED + TOP_K
@@ -115,6 +121,81 @@ def test_kernel_traffic_matches_grid_enumeration(dtype_bytes, combine, m):
     assert sum(traffic.values()) == _gpu_program_bytes(run, runs, dtype_bytes, backward, moe), f"gpu seed={seed}"
 
 
+def _nbytes(var):
+  return math.prod(var.aval.shape) * var.aval.dtype.itemsize
+
+
+def _walk(jaxpr, kinds, times, scattered, total):
+  """Adds to total the matmul FLOPs of `jaxpr` and the bytes crossing its scans' chunks. kinds: var ->
+  "const" | "carry" | "xs" inside a scan body; scattered: accumulator rows -> rows updated in bounds over
+  the whole scan. Any other use of a loop constant or carry fails: it would be traffic not modelled."""
+  for eqn in jaxpr.eqns:
+    name, params = eqn.primitive.name, eqn.params
+    uses = [kinds.get(v) for v in eqn.invars if isinstance(v, jcore.Var)]
+    if name == "dot_general":  # counted, then its operands checked like any other op's
+      (contract, _), _ = params["dimension_numbers"]
+      lhs = eqn.invars[0].aval.shape
+      total["flops"] += times * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+    if name == "scan":
+      body, (consts, carry) = params["jaxpr"].jaxpr, (len(t.vals) for t in params["ft_in"].unpack()[:2])
+      xs_ys = eqn.invars[consts + carry:] + eqn.outvars[carry:]
+      total["bytes"] += times * sum(map(_nbytes, xs_ys))
+      inner = dict(zip(body.invars, ["const"] * consts + ["carry"] * carry + ["xs"] * len(body.invars)))
+      _walk(body, inner, times * params["length"], scattered, total)
+    elif name == "gather" and uses[0] == "const":
+      total["bytes"] += times * _nbytes(eqn.outvars[0])
+    elif name == "scatter-add" and uses[0] == "carry":
+      operand, _, updates = eqn.invars
+      row = math.prod(updates.aval.shape[1:]) * updates.aval.dtype.itemsize
+      total["bytes"] += 2 * scattered[operand.aval.shape[0]] * row  # read and write each row in bounds
+    else:
+      subs = [p.jaxpr if isinstance(p, jcore.ClosedJaxpr) else p for p in params.values()
+              if isinstance(p, (jcore.ClosedJaxpr, jcore.Jaxpr))]
+      subs = [j for j in subs if len(j.invars) == len(eqn.invars)]
+      if subs:
+        inner = {i: kinds.get(o) for i, o in zip(subs[0].invars, eqn.invars) if isinstance(o, jcore.Var)}
+        _walk(subs[0], inner, times, scattered, total)
+      else:
+        assert not {"const", "carry"} & set(uses), f"{name} reads a loop constant or carry: {eqn}"
+  return total
+
+
+@pytest.mark.parametrize("dtype,combine,m", [(jnp.bfloat16, "joint", 1), (jnp.float32, "moe", 4)])
+def test_xla_chunk_loops_match_the_traced_code(dtype, combine, m):
+  seed = _seed()
+  rng = np.random.default_rng(seed)
+  ids = _uniform_ids(rng, N, m)
+  chunk = 3  # 25 tiles in the bound: 9 chunks, 2 padding tiles
+  shape = dataclasses.replace(_shape(jnp.dtype(dtype).itemsize, combine), xla_block_pairs=BP,
+                              xla_chunk_tiles=chunk)
+  plan = dispatch.make_plan(ids, C, BP)
+  info, pair = np.asarray(plan.tile_info), np.asarray(plan.row_pair)
+  tiles = -(-len(info) // chunk) * chunk
+  token = np.full(tiles * BP, N)  # xla.py pads rows with token N (dropped) and tiles with chapter 0
+  token[:len(pair)] = np.where(pair < N * S, pair // S, N)
+  chapter = np.zeros(tiles, int)
+  chapter[:len(info)] = info >> 1
+  scattered = {N: int(np.sum(token < N)), C: int(np.sum(chapter < C))}
+
+  args = [jnp.asarray(rng.normal(size=x), dtype) for x in ((1, N, H, DH), (C, T, HKV, DH), (C, T, HKV, DH))]
+  args += [jnp.asarray(rng.uniform(0.5, 2, (1, N, S)), jnp.float32) for _ in range(2)]
+  f = lambda q, k, v, ls, vs: xla.routed_chapter_attention(  # noqa: E731
+      q, k, v, jnp.asarray(ids[None]), ls, vs, combine, block_pairs=BP, chunk_tiles=chunk)
+  ct = jnp.ones((1, N, H, DH), jnp.float32)
+  count = lambda g: _walk(jax.make_jaxpr(g)(*args).jaxpr, {}, 1, scattered, dict(flops=0, bytes=0))  # noqa: E731
+  fwd, both = count(f), count(lambda *a: jax.vjp(f, *a)[1](ct))
+  bwd = {key: both[key] - fwd[key] for key in fwd}
+
+  v = roofline.analyse(shape)["variants"]["xla"]
+  assert v["tiles_run"] == v["kv_fetches"] == tiles and v["chunk_tiles"] == chunk, f"seed={seed}"
+  for key, walked, loops in (("forward", fwd, ("lse_pass", "output_pass")), ("backward", bwd, ("grad_pass",))):
+    stages = v[key]["stages_per_token"]
+    flops = N * sum(st["flops"] for name, st in stages.items() if not name.startswith("bank_"))
+    nbytes = N * sum(stages[name]["bytes"] for name in loops if name in stages)
+    assert flops == pytest.approx(walked["flops"], rel=1e-12), f"{key} FLOPs {flops} {walked} seed={seed}"
+    assert nbytes == pytest.approx(walked["bytes"], rel=1e-12), f"{key} bytes {nbytes} {walked} seed={seed}"
+
+
 def test_expected_tiles_monte_carlo():
   seed = _seed()
   rng = np.random.default_rng(seed)
@@ -144,6 +225,17 @@ def test_262k_hand_arithmetic():
   naive = r["variants"]["naive"]["forward"]["stages_per_token"]
   assert naive["gather_kv"]["bytes"] == 65 * 2 * (2 * 64 * 768 * 2)  # read + write one chapter's K, V per slot
   assert r["variants"]["naive"]["largest_buffer_bytes"] == p * 2 * 64 * 768 * 2
+  x = r["variants"]["xla"]  # 32 rows per tile, 5 tiles of [12 heads, 32 rows, 64] float32 per 512 KiB chunk
+  assert x["chunk_tiles"] == 5 and x["plan"]["tiles_bound"] == (p + 4097 * 31) // 32 == 20608
+  assert x["tiles_run"] == x["kv_fetches"] == 20610 and x["pairs_per_kv_fetch"] == p / 20610
+  assert x["largest_buffer_bytes"] == 20610 * 32 * 12 * 2 * 4  # the backward's [LSE, D] rows
+  out = x["forward"]["stages_per_token"]["output_pass"]
+  assert out["flops"] == 4 * 20610 * 32 * 12 * 64 * 64 / n
+  assert out["bytes"] == (4 * (20610 + 3 * 20610 * 32)  # chapters, tokens and both scales in
+                          + 20610 * 32 * 12 * 4          # each row's token LSE in
+                          + 20610 * 32 * 768 * 2         # q rows gathered
+                          + 20610 * 2 * 64 * 768 * 2     # K, V gathered per tile
+                          + 2 * p * 768 * 4) / n         # each pair's output added into its token's
   seq = r["variants"]["sequence"]["forward"]
   assert seq["flops_per_token"] == 4 * 65 * 64 * 12 * 64 + 4 * 65 * 64 * 768 * 768 / 1024
   for name, v in r["variants"].items():

@@ -245,11 +245,5 @@ def test_default_chunk_keeps_row_buffers_cache_sized():
     tiles = xla.default_chunk_tiles(h, bp, t, dh)
     assert tiles == expected and tiles * h * bp * max(t, dh) * 4 <= xla.CHUNK_BYTES
   assert xla.default_chunk_tiles(64, 128, 512, 512) == 1
-
-
-def test_default_block_tokens_for_the_roofline():
-  """`roofline.py` sizes a per-slot K/V gather with it: at the 262k shape (N=8192, T=64, Hkv=12, dh=64) a
-  float32 [block, T, Hkv, dh] stays <= 64 MB."""
-  block = xla.default_block_tokens(8192, 64, 12, 64)
-  assert 1 <= block <= 8192 and block * 64 * 12 * 64 * 4 <= 64 << 20
-  assert xla.default_block_tokens(10, 64, 12, 64) == 10
+  # a call with fewer tiles (a decode step: 2 rows x 9 slots at tiny) runs no chunk of padding tiles
+  assert xla.chunk_tiles_for(9, 4, bp, 16, 16) == 9 and xla.chunk_tiles_for(9, 4, bp, 16, 16, requested=4) == 4

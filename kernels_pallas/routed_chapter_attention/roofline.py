@@ -2,16 +2,20 @@
 
 `python -m kernels_pallas.routed_chapter_attention.roofline [--tokens 8192 --slots 65 --shared 1
   --chapters 4097 --chapter_tokens 64 --heads 12 --kv_heads 12 --head_dim 64 --block_pairs 128
-  --gpu_block_pairs 64 --dtype bfloat16 --combine joint --tiles expected] [--table [--stages pallas_tpu,...]]`
+  --gpu_block_pairs 64 --xla_block_pairs 32 --xla_chunk_tiles 0 --dtype bfloat16 --combine joint
+  --tiles expected] [--table [--stages pallas_tpu,...]]`
 prints one JSON line (and with --table markdown tables: every variant; --stages: per-stage breakdowns).
 Defaults: configs/moc.py:262k's memory layer with 8 x 1024 tokens in one call (one device, whole bank),
 joint combine (prefix / chunk routing).
 
 Variants (N tokens, S slots, P = N*S pairs, chapter K+V of all kv heads = 2*T*Hkv*dh elements):
   naive       reference.py: K/V gathered per (token, slot), [N, S, T, Hkv, dh], then plain softmax.
-  xla         xla.py: per block of tokens and per slot, that slot's chapter K/V gathered for the block.
-              Per pair it moves the same K/V bytes as naive (gather read + write + read by the matmuls);
-              only a block's worth is ever resident.
+  xla         xla.py: the same plan at `--xla_block_pairs` rows per tile; each tile gathers its chapter's
+              K/V once (P/tiles pairs per gather), its q rows and (backward) dout rows per row, and the
+              chunks of `--xla_chunk_tiles` tiles scatter-add outputs / dq per pair and dK/dV per tile into
+              float32 accumulators; joint runs a first pass for the rows' log-sum-exp. Every tile of the
+              static bound runs, padded to whole chunks, whatever the routing. A chunk's own float32
+              buffers are not counted as HBM traffic (see `_xla`).
   pallas_tpu  pallas_tpu.py: pairs sorted by chapter into tiles of `block_pairs` rows; each kv head
               fetches a chapter's K/V once per run of its consecutive tiles (Hkv * used chapters
               fetches); q rows gathered per pair; per-pair float32 o and lse written, re-read by the merge.
@@ -31,8 +35,9 @@ and left out. The sort in the plan is counted as one pass over int32 keys (XLA's
 Tiles: `--tiles expected` = expected tile count under uniform routing (each decision picks `top_k`
 distinct routed chapters uniformly; `--tokens_per_decision` tokens share a decision, e.g. 64 for chunk
 routing), `--tiles bound` = dispatch.num_tiles_bound, the static worst case (every row buffer is sized
-by it, whatever the routing). Roofline time of a stage = max(FLOPs / peak, bytes / bandwidth); a
-variant's time is the sum over its stages, and its bound is the one of the stages holding most of it.
+by it, whatever the routing; xla runs all its tiles either way). Roofline time of a stage =
+max(FLOPs / peak, bytes / bandwidth); a variant's time is the sum over its stages, and its bound is the one
+of the stages holding most of it.
 """
 from __future__ import annotations
 
@@ -67,6 +72,8 @@ class Shape:
   seq_len: int = 1024       # sequence routing: tokens per row
   block_pairs: int = pallas.DEFAULT_BLOCK_PAIRS["tpu"]
   gpu_block_pairs: int = pallas.DEFAULT_BLOCK_PAIRS["gpu"]
+  xla_block_pairs: int = xla.DEFAULT_BLOCK_PAIRS
+  xla_chunk_tiles: int = 0  # 0: the default of xla.chunk_tiles_for
   dtype_bytes: int = 2      # q, K, V, matmul operands
   param_bytes: int = 4      # the bank parameter
   combine: str = "joint"
@@ -129,6 +136,16 @@ def plan_sizes(s: Shape, block_pairs: int) -> Plan:
 
 def _stage(flops=0.0, bytes=0.0):  # noqa: A002
   return {"flops": float(flops), "bytes": float(bytes)}
+
+
+def _plan_stage(s: Shape, plan: Plan):
+  """dispatch.make_plan: about a dozen int32 passes over pairs and rows."""
+  return _stage(0, 4 * (12 * s.pairs + 2 * plan.rows))
+
+
+def _to_rows(s: Shape, rows, width, nbytes):
+  """Per-pair (or per-token) data gathered for P pairs and written to `rows` rows."""
+  return (s.pairs + rows) * width * nbytes
 
 
 # ---- the Pallas kernels' own traffic (checked against an enumeration of the grid in tests) ----
@@ -203,22 +220,49 @@ def _naive(s: Shape):
 
 
 def _xla(s: Shape):
+  """xla.py's stages. Its scans have static lengths: all tiles of the bound run, padded to whole chunks.
+  HBM traffic is what crosses a chunk: the scan's per-chunk inputs and outputs, the gathers (q rows in the
+  input dtype, dout rows in float32 as the cotangent of the float32 output, one chapter's K/V per tile,
+  consecutive tiles of a chapter not deduplicated) and the scatter-adds into float32 accumulators, which
+  read and write each updated row (per pair into the token accumulators, padding rows being dropped; per
+  tile into dK/dV). A chunk's own float32 buffers (gathered rows and tiles, scores, probabilities; 0.5 to
+  1 MB each at the 262k shape) are not counted: xla.CHUNK_BYTES sizes them to stay in a cache (a CPU core's
+  L2, H100's 50 MB L2) and every chunk reuses them; spilled, each would add a write and a read. The matmuls
+  run in float32 (HIGHEST) but are timed at the bf16 peak, like every variant's."""
   b, n, p, h, dh, t = s.dtype_bytes, s.tokens, s.pairs, s.heads, s.head_dim, s.chapter_tokens
-  kv_pair = 2 * t * s.kv_dim * b
-  mm = 2 * p * t * h * dh
-  scores = p * t * h
-  block = xla.default_block_tokens(n, t, s.kv_heads, dh)
-  fwd = {"gather_kv": _stage(0, 2 * p * kv_pair),
-         "scores": _stage(mm, p * h * dh * b + p * kv_pair / 2 + scores * F32),
-         "online_softmax": _stage(0, scores * (F32 + b) + 4 * p * h * F32),
-         "pv_accumulate": _stage(mm, scores * b + p * kv_pair / 2 + 2 * p * h * dh * F32)}
-  bwd = {"gather_kv": _stage(0, 2 * p * kv_pair),
-         "scores_dprobs": _stage(2 * mm, 2 * p * h * dh * b + p * kv_pair + 2 * scores * F32),
-         "dz": _stage(0, scores * (2 * F32 + 2 * b)),
-         "dq": _stage(mm, scores * b + p * kv_pair / 2 + 2 * p * h * dh * F32),
-         "dk_dv_scatter_add": _stage(2 * mm, 2 * scores * b + 2 * p * h * dh * b + 2 * 4 * p * t * s.kv_dim * F32)}
-  return fwd, bwd, {"largest_buffer_bytes": block * kv_pair, "kv_fetches": p, "pairs_per_kv_fetch": 1.0,
-                    "block_tokens": block}
+  plan = plan_sizes(s, s.xla_block_pairs)
+  chunk = xla.chunk_tiles_for(plan.tiles_bound, h, plan.block_pairs, t, dh, s.xla_chunk_tiles)
+  tiles = -(-plan.tiles_bound // chunk) * chunk
+  rows = tiles * plan.block_pairs
+  joint = s.combine == "joint"
+  kv_tiles = tiles * t * s.kv_dim  # elements of one K (or V) gathered per tile
+  kv_bank = s.chapters * t * s.kv_dim
+  acc, row_stat = n * h * dh * F32, rows * h * F32  # a token accumulator; one float32 per row and head
+  scan_in = lambda scales: 4 * (tiles + rows + scales * rows)  # noqa: E731  chapter, token, row scales
+  q_rows = rows * h * dh * b
+  scatter_tokens = 2 * p * h * dh * F32
+  fwd = {"plan": _plan_stage(s, plan),
+         "rows": _stage(0, 2 * _to_rows(s, rows, 1, F32) + 4 * (rows + tiles)),  # scales; token, chapter
+         "zeros": _stage(0, acc)}
+  if joint:  # pass 1 stacks each row's max and sum; the merge gathers them per pair, and LSE back to rows
+    fwd["lse_pass"] = _stage(2 * rows * h * t * dh, scan_in(1) + q_rows + kv_tiles * b + 2 * row_stat)
+    fwd["merge"] = _stage(0, 2 * p * h * F32 + 2 * p * 4 + n * h * F32 + (plan.rows + rows) * h * F32)
+  # row_stat: joint reads each row's token LSE, moe stacks each row's log-sum-exp
+  fwd["output_pass"] = _stage(4 * rows * h * t * dh, scan_in(2) + row_stat + q_rows + 2 * kv_tiles * b
+                              + scatter_tokens)
+  bwd = {}
+  if joint:  # D = dout.out - dlse, then [LSE, D] to rows
+    bwd["prologue"] = _stage(0, 2 * acc + 2 * n * h * F32 + 2 * (plan.rows + rows) * h * F32)
+  bwd["zeros"] = _stage(0, acc + 2 * kv_bank * F32)
+  # stats: joint's [LSE, D] or moe's row log-sum-exp in; d logit_scale, d value_scale per row out
+  bwd["grad_pass"] = _stage(10 * rows * h * t * dh, scan_in(2) + (2 if joint else 1) * row_stat + q_rows
+                            + rows * h * dh * F32 + 2 * kv_tiles * b + scatter_tokens + 2 * 2 * kv_tiles * F32
+                            + 2 * rows * F32)
+  # dq and dK/dV cast; d logit_scale and d value_scale gathered back to pairs
+  bwd["epilogue"] = _stage(0, n * h * dh * (F32 + b) + 2 * kv_bank * (F32 + b) + 4 * p * F32)
+  return fwd, bwd, {"largest_buffer_bytes": max(acc, (2 if joint else 1) * row_stat), "kv_fetches": tiles,
+                    "pairs_per_kv_fetch": p / tiles, "block_pairs": plan.block_pairs, "chunk_tiles": chunk,
+                    "tiles_run": tiles, "plan": dataclasses.asdict(plan), "rows_per_pair": rows / p}
 
 
 def _pallas(s: Shape, backend: str):
@@ -229,12 +273,12 @@ def _pallas(s: Shape, backend: str):
   kernel = pallas_tpu_kernel if backend == "tpu" else pallas_gpu_kernel
   fwd_traffic, fwd_flops = kernel(s, plan, backward=False)
   bwd_traffic, bwd_flops = kernel(s, plan, backward=True)
-  to_rows = lambda width, nbytes: p * width * nbytes + r * width * nbytes  # noqa: E731  gather P, write R
+  to_rows = lambda width, nbytes: _to_rows(s, r, width, nbytes)  # noqa: E731
   moe = s.combine == "moe"
-  # plan: about a dozen int32 passes over pairs and rows. to_rows: q and logit_scale into row order.
+  # to_rows: q and logit_scale into row order.
   # merge: o pairs gathered from the rows (read + write) and read by the weighted sum, lse pairs read,
   # out written and transposed, LSE written.
-  fwd = {"plan": _stage(0, 4 * (12 * p + 2 * r)),
+  fwd = {"plan": _plan_stage(s, plan),
          "to_rows": _stage(0, to_rows(h * dh, b) + to_rows(1, F32)),
          "kernel": _stage(fwd_flops, sum(fwd_traffic.values())),
          "merge": _stage(0, 3 * p * h * dh * F32 + p * h * F32 + 3 * n * h * dh * F32 + n * h * F32)}
@@ -250,7 +294,7 @@ def _pallas(s: Shape, backend: str):
     fwd["kv_transpose"] = _stage(0, 2 * 2 * kv_bank * b)
     bwd["kv_transpose"] = _stage(0, 2 * 2 * kv_bank * b)  # dK/dV's transpose back fuses with the cast
   fetches = plan.used * s.kv_heads if backend == "tpu" else plan.tiles * h
-  extra = {"largest_buffer_bytes": r * h * dh * F32, "kv_fetches": fetches,
+  extra = {"largest_buffer_bytes": r * h * dh * F32, "kv_fetches": fetches, "tiles_run": plan.tiles,
            "pairs_per_kv_fetch": p * (s.kv_heads if backend == "tpu" else h) / fetches,
            "plan": dataclasses.asdict(plan), "rows_per_pair": r / p,
            "kernel_bytes": {"forward": fwd_traffic, "backward": bwd_traffic}}
@@ -330,7 +374,7 @@ def _fmt(x, unit=""):
 
 
 def table(result) -> str:
-  """Every variant's totals and roofline times, then the devices' ridge points and the Pallas tile plans."""
+  """Every variant's totals and roofline times, then the devices' ridge points and the tile plans."""
   lines = ["| variant | pass | FLOPs / token | HBM bytes / token | FLOP/B | pairs per K/V fetch | largest buffer | "
            "TPU v5p ms (bound) | H100 ms (bound) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, v in result["variants"].items():
@@ -346,10 +390,10 @@ def table(result) -> str:
   lines += ["", f"Ridge points: {ridges}.", "",
             "| plan | block_pairs | tiles run | tile bound | row-buffer rows / pair | chapters in use | K/V fetches |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
-  for name in ("pallas_tpu", "pallas_gpu"):
+  for name in ("xla", "pallas_tpu", "pallas_gpu"):
     v = result["variants"][name]
     plan = v["plan"]
-    lines.append(f"| {name} | {plan['block_pairs']} | {plan['tiles']:,.1f} | {plan['tiles_bound']:,} | "
+    lines.append(f"| {name} | {plan['block_pairs']} | {v['tiles_run']:,.1f} | {plan['tiles_bound']:,} | "
                  f"{v['rows_per_pair']:.3g} | {plan['used']:,.1f} | {v['kv_fetches']:,.0f} |")
   return "\n".join(lines)
 

@@ -38,7 +38,6 @@ from kernels_pallas.routed_chapter_attention import dispatch
 NEG_INF = -1e30  # log-sum-exp of a token whose slots are all empty (finite, so LSE merges stay NaN-free)
 DEFAULT_BLOCK_PAIRS = 32  # rows (pairs of one chapter) per tile
 CHUNK_BYTES = 1 << 19  # a chunk's float32 [tiles, H, block_pairs, max(T, dh)] row buffer stays <= this
-BLOCK_BYTES = 32 << 20  # for default_block_tokens
 
 
 def default_chunk_tiles(heads, block_pairs, t, dh):
@@ -46,12 +45,10 @@ def default_chunk_tiles(heads, block_pairs, t, dh):
   return max(1, CHUNK_BYTES // (4 * heads * block_pairs * max(t, dh)))
 
 
-def default_block_tokens(n, t, hkv, dh):
-  """Largest power of two whose float32 [block, T, Hkv, dh] fits BLOCK_BYTES, at most n. Not used by this
-  file's algorithm: `roofline.py`'s "xla" variant models a read that gathers one chapter's K/V per
-  (token, slot), block by block, and sizes its buffer with this."""
-  rows = max(1, BLOCK_BYTES // (4 * t * hkv * dh))
-  return min(n, 1 << (rows.bit_length() - 1))
+def chunk_tiles_for(tiles, heads, block_pairs, t, dh, requested=None):
+  """Tiles per chunk of a call whose plan has `tiles` (static) tiles: `requested` or the default, and never
+  more than the call has (a decode step's few tiles would otherwise run a whole chunk of padding)."""
+  return min(int(requested or default_chunk_tiles(heads, block_pairs, t, dh)), tiles)
 
 
 class _Config(NamedTuple):
@@ -66,7 +63,7 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *,
 
   return_lse (joint only): also return the float32 [B, L, H] log-sum-exp of the joint logits (NEG_INF for a
   token whose slots are all empty), differentiable, for callers that merge partial results across devices.
-  block_pairs: rows per tile (DEFAULT_BLOCK_PAIRS); chunk_tiles: tiles per chunk (`default_chunk_tiles`).
+  block_pairs: rows per tile (DEFAULT_BLOCK_PAIRS); chunk_tiles: tiles per chunk (`chunk_tiles_for`).
   Ids outside [-1, C) read nothing, like -1 (`dispatch.valid_slots`).
   """
   if combine not in ("joint", "moe"):
@@ -78,7 +75,8 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *,
       raise ValueError(f"{name} must be positive, got {value}")
   _, t, _, dh = k.shape
   bp = int(block_pairs or DEFAULT_BLOCK_PAIRS)
-  cfg = _Config(combine, bp, int(chunk_tiles or default_chunk_tiles(q.shape[2], bp, t, dh)))
+  tiles = dispatch.num_tiles_bound(q.shape[0] * q.shape[1] * ids.shape[-1], k.shape[0], bp)
+  cfg = _Config(combine, bp, chunk_tiles_for(tiles, q.shape[2], bp, t, dh, chunk_tiles))
   out, lse = _attention(q, k, v, ids, logit_scale, value_scale, cfg)
   return (out, lse) if return_lse else out
 
