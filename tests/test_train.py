@@ -42,7 +42,8 @@ def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   for name in ("config.json", "loss.png", "checkpoints", "tensorboard"):
     assert os.path.exists(tmp_path / name), name
   assert json.load(open(tmp_path / "config.json"))["model"]["d_model"] == config.model.d_model
-  again = loop.evaluate_checkpoint(config, str(tmp_path))  # --mode=eval on the saved checkpoint
+  from moc_jax.eval import EvalOptions  # --mode=eval on the saved checkpoint (routing analysis: test_eval_cli.py)
+  again = loop.evaluate_checkpoint(config, str(tmp_path), EvalOptions(analyze_routing=False))
   assert again["step"] == 2 and again["ce"] == pytest.approx(evals[-1]["ce"], rel=1e-6)
 
 
