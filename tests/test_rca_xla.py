@@ -77,7 +77,7 @@ def _numpy64(q, k, v, ids, logit_scale, value_scale, combine):
   probabilities [B,L,Hkv,G,S,T], and the gathered pieces the lse gradient needs."""
   q, k, v, ls, vs = (np.asarray(x, np.float64) for x in (q, k, v, logit_scale, value_scale))
   b, l, h, dh = q.shape
-  hkv, t, s = k.shape[2], k.shape[1], ids.shape[-1]
+  hkv = k.shape[2]
   valid = (ids >= 0)[:, :, None, None, :, None]
   kg, vg = k[np.maximum(ids, 0)], v[np.maximum(ids, 0)]
   qg = q.reshape(b, l, hkv, h // hkv, dh)

@@ -14,7 +14,7 @@ from moc_jax.config import ConfigError
 from moc_jax.eval.run import SplitEvaluator
 from moc_jax.train import loop
 
-MODES = ("sequence", "token", "prefix", "chunk")
+MODES = ("sequence", "token", pytest.param("prefix", marks=pytest.mark.slow), "chunk")  # prefix decides as token
 CHUNK = 8
 
 

@@ -14,7 +14,7 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, re
   """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh] (and, with
   `return_lse`, the joint logits' log-sum-exp [B, L, H])."""
   b, l, h, dh = q.shape
-  hkv, s = k.shape[2], ids.shape[-1]
+  hkv = k.shape[2]
   valid = ids >= 0
   kg = jnp.take(k, jnp.maximum(ids, 0), axis=0)  # [B, L, S, T, Hkv, dh]
   vg = jnp.take(v, jnp.maximum(ids, 0), axis=0)
