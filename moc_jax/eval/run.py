@@ -281,7 +281,8 @@ def _pm(value, err):
 
 def markdown_table(report: dict) -> str:
   """The report's headline numbers as markdown tables (eval.json holds everything)."""
-  lines = [f"## {report['workdir']} — step {report['step']} ({report['config']}, {report['devices']} devices)", "",
+  devices = f"{report['devices']} device" + ("s" if report["devices"] > 1 else "")
+  lines = [f"## {report['workdir']} — step {report['step']} ({report['config']}, {devices})", "",
            "| metric | value |", "|---|---:|",
            f"| {report['split']} CE (nats/token) | {report['ce']:.4f} |",
            f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
