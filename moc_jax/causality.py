@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import moc_jax
-from moc_jax.config import routing_is_causal
+from moc_jax.config import parse_flags, routing_is_causal
 
 
 def _redraw_zeros(model, seed):
@@ -70,7 +70,7 @@ def main(argv):
     print(json.dumps(result))
     return 0 if result["causal"] == result["causal_by_design"] else 1
 
-  app.run(run, argv)
+  app.run(run, argv, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,43 @@ class ConfigError(ValueError):
   """A config field is inconsistent; the message names the field and the fix."""
 
 
+def parse_flags(argv):
+  """absl's flag parser for `app.run(..., flags_parser=parse_flags)`: a bad flag, or a `--config.` override
+  naming no field (ml_collections raises AttributeError / KeyError while parsing), is one `error:` line and
+  exit 2, not a traceback."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:  # what absl's own parser reports, as one line
+    _exit_bad_flag(f"{e} (--helpfull lists the flags)")
+  except (AttributeError, KeyError) as e:
+    _exit_no_field(e, argv)
+
+
+def define_overrides_flag(default, help_text):
+  """`--config.a.b=v` overrides of `default` (a run's saved config): ml_collections' DEFINE_config_dict, which
+  parses sys.argv's overrides at once, a field it lacks reported as `parse_flags` does."""
+  import sys
+  from ml_collections import config_flags
+  try:
+    config_flags.DEFINE_config_dict("config", default, help_text, lock_config=False)
+  except (AttributeError, KeyError) as e:
+    _exit_no_field(e, sys.argv)
+
+
+def _exit_no_field(e, argv):
+  import re
+  detail = " ".join(re.sub(r"\\[n']|[\n'\"]", " ", str(e.args[0] if e.args else e)).split())
+  overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+  _exit_bad_flag(f"a --config override names no config field ({detail}); overrides given: {', '.join(overrides)}")
+
+
+def _exit_bad_flag(message):
+  import sys
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def load_config(spec: str, overrides: dict | None = None) -> config_dict.ConfigDict:
   """Loads `path.py[:arg]`, applies dotted `overrides`, validates, and returns a locked config."""
   path, _, arg = spec.partition(":")

@@ -335,4 +335,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("accum", None, "Micro-steps per step (default train.grad_accum).")
   flags.DEFINE_integer("steps", None, "Steps per run (default train.steps).")
   flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-  app.run(main)
+  from moc_jax.config import parse_flags
+  app.run(main, flags_parser=parse_flags)

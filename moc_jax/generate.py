@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from moc_jax.config import DECODE_ROUTINGS, ConfigError, validate
+from moc_jax.config import DECODE_ROUTINGS, ConfigError, parse_flags, validate
 from moc_jax.model import decode
 
 NOT_GENERATED = -1  # output slots after a row stopped
@@ -163,11 +163,9 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
 
 def _define_flags():
   """Flags exist only when this module runs as the command (other entry points define theirs)."""
-  from ml_collections import config_flags
-
+  from moc_jax.config import define_overrides_flag
   from moc_jax.eval.run import base_config
-  config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the run's saved config, e.g. "
-                                  "--config.memory.routing_window=64.", lock_config=False)
+  define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.memory.routing_window=64.")
   flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
   flags.DEFINE_multi_string("prompt", None, "Prompt text; repeat the flag for a batch of prompts.")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt (fewer if model.max_seq_len is reached).")
@@ -204,4 +202,4 @@ def _main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(_main)
+  app.run(_main, flags_parser=parse_flags)

@@ -71,4 +71,5 @@ def _use_fake_devices(n):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from moc_jax.config import parse_flags
+  app.run(main, flags_parser=parse_flags)

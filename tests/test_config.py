@@ -214,3 +214,18 @@ def test_layer_plan():
   c.model.scan_layers = False
   assert layer_plan(c) == LayerPlan(16, 1, (2, 6, 10, 14), False)
   assert layer_plan(_tiny()) == LayerPlan(2, 2, (1,), True)
+
+
+@pytest.mark.parametrize("module, args", [
+    ("moc_jax.main", ["--config=configs/moc.py:tiny", "--workdir=/nonexistent"]),
+    ("moc_jax.eval", ["--workdir=/nonexistent"])])  # its --config is a dict parsed when the flag is defined
+def test_an_override_naming_no_field_is_one_error_line(module, args):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", module, *args, "--config.memory.top_kk=2"], capture_output=True,
+                        text=True, cwd=root, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert "error: a --config override names no config field (top_kk Did you mean top_k" in proc.stderr
+  assert "--config.memory.top_kk" in proc.stderr

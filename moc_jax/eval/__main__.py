@@ -15,11 +15,12 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from moc_jax.config import define_overrides_flag, parse_flags
 from moc_jax.eval.probes import DOC_BUCKET_EDGES
 from moc_jax.eval.run import base_config
 
-config_flags.DEFINE_config_dict("config", base_config(), "Overrides of the run's saved config, e.g. "
-                                "--config.data.data_dir=DIR or --config.mesh.memory=4.", lock_config=False)
+define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.data.data_dir=DIR or "
+                      "--config.mesh.memory=4.")
 flags.DEFINE_string("workdir", None, "The training run's directory (config.json, checkpoints/).")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 flags.DEFINE_string("split", "validation", "Split for CE / perplexity (any the data layer reads, e.g. paraphrase).")
@@ -102,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
