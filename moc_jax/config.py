@@ -224,6 +224,9 @@ def _validate_train(c):
   _enum(c, "train.schedule", SCHEDULES)
   if t.warmup_steps > t.steps:
     _fail("train.warmup_steps", f"{t.warmup_steps} > train.steps {t.steps}", "shorten the warm-up")
+  if t.schedule == "wsd" and t.decay_start_step is not None and t.decay_start_step > t.steps:
+    _fail("train.decay_start_step", f"{t.decay_start_step} > train.steps {t.steps}: the learning rate would never "
+          "decay", "set it <= train.steps (shortening a run: scale both), or use train.decay_start_ratio")
   if t.decay_start_ratio is not None and not 0 <= t.decay_start_ratio <= 1:
     _fail("train.decay_start_ratio", f"{t.decay_start_ratio} is outside [0, 1]", "use a fraction of train.steps")
   for f in ("b1", "b2"):

@@ -62,6 +62,7 @@ REJECTIONS += [
     ("train_unknown_schedule", {"train.schedule": "step"}, "train.schedule"),
     ("train_warmup_over_steps", {"train.steps": 10, "train.warmup_steps": 11}, "train.warmup_steps"),
     ("train_decay_ratio_out_of_range", {"train.decay_start_ratio": 1.5}, "train.decay_start_ratio"),
+    ("train_decay_start_after_the_end", {"train.steps": 100, "train.decay_start_step": 101}, "train.decay_start_step"),
     ("train_b1_is_one", {"train.b1": 1.0}, "train.b1"),
 ]
 for _f in MODEL_POSITIVE:
