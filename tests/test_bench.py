@@ -39,6 +39,7 @@ def _run(module, argv, capsys):
   return result
 
 
+@pytest.mark.slow  # the default suite keeps moc_vs_vanilla and xla_vs_analytic as the harness's smoke tests
 def test_train_mfu(capsys):
   r = _run(train_mfu, [f"--config={TINY}", "--batch_size=2", "--steps=1", "--warmup=0", "--profile_reps=1",
                        "--peak_sizes=128", *SHORT], capsys)
@@ -62,6 +63,7 @@ def test_iso_vanilla_baseline():
   assert config.model.num_layers == 5 and note.startswith("configs/vanilla.py:iso=tiny: 5 layers")
 
 
+@pytest.mark.slow
 def test_bank_scaling(capsys):
   r = _run(bank_scaling, [f"--config={TINY}", "--batch_size=2", "--sizes=1040,2080", "--rounds=1",
                           "--optimizer_reps=1", *SHORT], capsys)
@@ -76,6 +78,7 @@ def test_xla_vs_analytic(capsys):
   assert set(r["components"]) == {"self_attention", "mlp", "memory", "head"}
 
 
+@pytest.mark.slow
 def test_routed_attention(capsys):
   # The timed part on tiny's memory layer at 2 x 32 tokens (4 compiles), and one compile-only variant.
   r = _run(routed_attention, ["--small_only", "--small_batch_size=2", "--small_seq_len=32", "--rounds=1",

@@ -20,6 +20,7 @@ def test_fixture_parity_all_quantities(name):
   assert errors[worst] <= parity.TOLERANCE, (worst, errors[worst])
 
 
+@pytest.mark.slow  # the comparison itself runs in test_fixture_parity_all_quantities
 def test_parity_cli_exit_code():
   out = subprocess.run([sys.executable, "-m", "moc_jax.parity", os.path.join(FIXTURES, NAMES[1])],
                        capture_output=True, text=True, timeout=600)

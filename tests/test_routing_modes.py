@@ -140,7 +140,7 @@ def test_training_log_states_whether_the_run_is_causal():
   assert routing_statement(moc_jax.load_config("configs/vanilla.py:tiny")) == "no memory layers: causal"
 
 
-@pytest.mark.parametrize("routing", ["token", "prefix"])
+@pytest.mark.parametrize("routing", ["token", pytest.param("prefix", marks=pytest.mark.slow)])
 def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback(routing):
   """Whole-model loss and gradients with attention_impl=pallas (TPU kernels, interpret mode) vs xla."""
   seed = _seed()
