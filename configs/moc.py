@@ -1,6 +1,7 @@
 """Mixture-of-Chapters models: `--config=configs/moc.py:NAME[,runlocal]`.
 
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
+Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo) run through launch/sweep.py.
 """
 import os
 import sys
@@ -51,3 +52,94 @@ def get_config(arg="tiny"):
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; known: ['runlocal']")
   return c
+
+
+# ---- sweeps (big_vision's get_hyper): `launch/sweep.py --config=configs/moc.py:NAME --sweep=SWEEP` ----
+# A sweep is a list of {dotted field: value} overrides of get_config(NAME), each applied as
+# `--config.<field>=<value>`; moc_jax/sweeps.py names, validates and launches them. Every sweep is a
+# function of the model config, so `tiny` gets tiny points and `262k` the paper's.
+
+TOP_K = (1, 2, 4, 8, 16, 32, 64)
+ISO_MLP_MULTIPLE = 16  # the iso-FLOP vanilla's SwiGLU width is a multiple of this
+
+
+def _topk(c):
+  """The paper's top-k range at the config's bank; a k above the routable chapters is left out."""
+  routable = c.memory.num_chapters - c.memory.num_shared
+  return [{"memory.top_k": k} for k in TOP_K if k <= routable]
+
+
+def _bank(c):
+  """Bank sizes at the config's chapter size and top-k, so every point reads the same k·T tokens: routed
+  chapters doubling from top_k (the bank is what one sequence reads) to the config's bank; 4,160 to 262,208
+  tokens for 262k, 144 to 1,040 for tiny."""
+  mem = c.memory
+  per_chapter = mem.num_tokens // mem.num_chapters
+  chapters, routed = [], mem.top_k
+  while mem.num_shared + routed < mem.num_chapters:
+    chapters.append(mem.num_shared + routed)
+    routed *= 2
+  chapters.append(mem.num_chapters)
+  return [{"memory.num_chapters": n, "memory.num_tokens": n * per_chapter} for n in chapters]
+
+
+def _topk_bank(c):
+  """Every (top-k, bank) pair of the two sweeps in which the top-k fits the bank."""
+  return [{**k, **bank} for bank in _bank(c) for k in _topk(c)
+          if k["memory.top_k"] <= bank["memory.num_chapters"] - c.memory.num_shared]
+
+
+NO_MEMORY = {"memory.enabled": False, "memory.placement": "none"}  # the backbone (configs/vanilla.py)
+
+
+def _iso_mlp_dim(c, top_k):
+  """SwiGLU width of the vanilla backbone whose model FLOPs per token (forward + backward, the
+  estimator's MFU count) are closest to the MoC model's at `top_k`; FLOPs are linear in the width."""
+  from moc_jax.flops import model_flops_per_token
+  moc, dense = c.copy_and_resolve_references(), c.copy_and_resolve_references()
+  moc.memory.top_k = top_k
+  dense.memory.update(enabled=False, placement="none")
+
+  def cost(width):
+    dense.model.mlp_dim = width
+    return model_flops_per_token(dense)
+
+  width = c.model.mlp_dim + (model_flops_per_token(moc) - cost(c.model.mlp_dim)) / (
+      cost(c.model.mlp_dim + 1) - cost(c.model.mlp_dim))
+  return max(ISO_MLP_MULTIPLE, ISO_MLP_MULTIPLE * round(width / ISO_MLP_MULTIPLE))
+
+
+def _iso_flop(c):
+  """The top-k points, each with its iso-FLOP vanilla (the backbone, SwiGLU widened to the MoC point's
+  FLOPs per token; the residual mismatch shows in the plan and in collect's FLOPs column), and the
+  backbone alone."""
+  points = [NO_MEMORY]
+  for k in _topk(c):
+    points += [k, {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, k["memory.top_k"])}]
+  return points
+
+
+def _demo(c):
+  """Compute x bank on a CPU budget: the smallest, a middle and the config's bank of the `bank` sweep, and the
+  backbone without memory, each trained for 1/16, 1/8 and 1/4 of the config's steps (docs/sweeps.md: tiny,
+  12 runs on 2 cores)."""
+  banks = _bank(c)
+
+  def steps(divisor):
+    out = {"train.steps": max(1, c.train.steps // divisor)}
+    if c.train.decay_start_step is not None:
+      out["train.decay_start_step"] = c.train.decay_start_step // divisor
+    return out
+
+  return [{**point, **steps(d)} for point in (banks[0], banks[len(banks) // 2], banks[-1], NO_MEMORY)
+          for d in (16, 8, 4)]
+
+
+SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo}
+
+
+def get_sweep(name, config):
+  """Sweep `name` of `config` (get_config's result): a list of {dotted field: value} overrides."""
+  if name not in SWEEPS:
+    raise ValueError(f"unknown sweep {name!r}; known: {sorted(SWEEPS)}")
+  return SWEEPS[name](config)

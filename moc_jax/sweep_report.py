@@ -1,0 +1,229 @@
+"""What a sweep's runs reached (`python launch/collect.py sweeps/<name>`): per run the final validation CE,
+fact recall, training FLOPs (moc_jax/flops.py on the run's config.json), parameters total / active, tokens
+and wall time, as results.csv and results.md; power-law fits of the loss against training compute, bank
+size (at fixed compute) and top-k (at fixed bank); loss_vs_*.png. A run without its final evaluation is
+listed as failed or unfinished and kept out of the fits, never dropped.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from moc_jax import sweeps
+
+CONFIDENCE = 0.95
+COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
+           "params_total", "params_active", "val_ce", "fact_recall", "exact_match", "wall_s", "note")
+# (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
+FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
+        ("bank", "bank_tokens", sweeps.BANK_KEYS, "bank tokens"),
+        ("top_k", "top_k", ("memory.top_k",), "top-k (routed chapters read)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerLaw:
+  """y = a·x^b; [b_low, b_high] is the CONFIDENCE interval of b."""
+  a: float
+  b: float
+  b_low: float
+  b_high: float
+  r2: float
+  n: int
+
+  def __call__(self, x):
+    return self.a * np.asarray(x, np.float64) ** self.b
+
+
+def fit_power_law(x, y, confidence=CONFIDENCE) -> PowerLaw:
+  """Least squares of log y = log a + b·log x. The interval of b is Student's t with n − 2 degrees of
+  freedom (nan for two points: a line through two points has no residual to measure)."""
+  from scipy import stats
+  lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
+  n = len(lx)
+  if n < 2 or np.ptp(lx) == 0:
+    raise ValueError(f"a power law needs two distinct x values, got {list(x)}")
+  sxx = np.sum((lx - lx.mean()) ** 2)
+  b = np.sum((lx - lx.mean()) * (ly - ly.mean())) / sxx
+  log_a = ly.mean() - b * lx.mean()
+  rss = float(np.sum((ly - log_a - b * lx) ** 2))
+  tss = float(np.sum((ly - ly.mean()) ** 2))
+  half = stats.t.ppf((1 + confidence) / 2, n - 2) * math.sqrt(rss / (n - 2) / sxx) if n > 2 else math.nan
+  return PowerLaw(float(np.exp(log_a)), float(b), float(b - half), float(b + half),
+                  1 - rss / tss if tss > 0 else math.nan, n)
+
+
+# ---- one row per run --------------------------------------------------------------------------------
+
+def run_rows(sweep_dir: str) -> list[dict]:
+  entries = sweeps.read_manifest(sweep_dir)
+  if not entries:
+    raise FileNotFoundError(f"{os.path.join(sweep_dir, sweeps.MANIFEST)} not found or empty: pass a directory "
+                            "that launch/sweep.py wrote")
+  return [_row(sweep_dir, e) for e in entries]
+
+
+def _row(sweep_dir, entry):
+  from moc_jax import count_params
+  from moc_jax.eval.run import load_run_config
+  workdir = os.path.join(sweep_dir, entry["name"])
+  row = {"run": entry["name"], "status": entry.get("status", "pending"), "wall_s": entry.get("wall_s"),
+         "overrides": entry.get("overrides", {}), "returncode": entry.get("returncode"), "workdir": workdir}
+
+  def unfinished(note):  # the manifest's status stands, except a "done" without the final evaluation
+    return {**row, "status": "failed" if row["status"] == "done" else row["status"], "note": note}
+
+  if not os.path.isfile(os.path.join(workdir, "config.json")):
+    return unfinished("no config.json")
+  config = load_run_config(workdir)
+  mem, steps = config.memory, config.train.steps
+  counts = count_params(config)
+  row.update(kind="moc" if sweeps.is_moc(config) else "dense", steps=steps, **sweeps.compute(config),
+             params_total=counts["total"],
+             params_active=counts["total"] - counts["bank"] + counts["bank"] * (mem.num_shared + mem.top_k)
+             // mem.num_chapters)
+  if row["kind"] == "moc":
+    row.update(top_k=mem.top_k, bank_tokens=mem.num_tokens)
+  final = sweeps.final_eval(workdir, steps)
+  if final is None:
+    reached = max((r["step"] for r in sweeps.read_metrics(workdir) if "split" not in r), default=0)
+    return unfinished(f"reached step {reached} of {steps}")
+  return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
+          "exact_match": final.get("probe_exact")}
+
+
+# ---- fits -------------------------------------------------------------------------------------------
+
+def fits(rows) -> list[dict]:
+  """Every fit with two or more distinct x values. Compute: all finished runs of a kind. Bank / top-k:
+  finished MoC runs whose overrides are equal but for the bank (the same k·T and steps: fixed compute up
+  to the router's width) / the top-k; `compute_spread` is the group's largest / smallest FLOPs − 1."""
+  done = [r for r in rows if r["status"] == "done"]
+  out = []
+  for fit, x, keys, _ in FITS:
+    groups = {}
+    for r in done:
+      if keys is None:
+        groups.setdefault(r["kind"], []).append(r)
+      elif r["kind"] == "moc":
+        fixed = {k: v for k, v in r["overrides"].items() if k not in keys}
+        groups.setdefault(sweeps.run_name(fixed), []).append(r)
+    for group, members in groups.items():
+      if len({r[x] for r in members}) < 2:
+        continue
+      law = fit_power_law([r[x] for r in members], [r["val_ce"] for r in members])
+      flops = [r["train_flops"] for r in members]
+      out.append({"fit": fit, "x": x, "group": group, "runs": [r["run"] for r in members], "law": law,
+                  "compute_spread": max(flops) / min(flops) - 1})
+  return out
+
+
+# ---- outputs ----------------------------------------------------------------------------------------
+
+def _cell(key, value):
+  if value is None or value == "":
+    return ""
+  if key in ("train_flops",):
+    return f"{value:.3g}"
+  if key in ("tokens", "params_total", "params_active", "flops_per_token", "bank_tokens"):
+    return f"{value:,.0f}"
+  if key == "val_ce":
+    return f"{value:.4f}"
+  if key in ("fact_recall", "exact_match"):
+    return f"{value:.3f}"
+  if key == "wall_s":
+    return f"{value:.0f}"
+  return str(value)
+
+
+def markdown(title, rows, fit_list, plots) -> str:
+  header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
+            "params total", "params active", "val CE", "fact recall", "exact match", "wall s")
+  lines = [f"# {title}", "", f"{len(rows)} runs, {sum(r['status'] == 'done' for r in rows)} finished. Validation CE "
+           "(nats/token) and fact recall (likelihood choice; exact match: greedy) at the last step; training FLOPs "
+           "= the estimator's model FLOPs per token (forward + backward, memory as read) x tokens; active "
+           "parameters count the bank's read chapters only.", "",
+           "| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
+  lines += ["| " + " | ".join(_cell(k, r.get(k)) for k in COLUMNS[:-1]) + " |" for r in rows]
+  lines += ["", f"## Fits: loss = a·x^b (least squares in log-log; {CONFIDENCE:.0%} interval of b from Student's t)",
+            ""]
+  if fit_list:
+    lines += ["| loss against | at | runs | b | interval of b | a | R² | compute spread |",
+              "|---|---|---:|---:|---|---:|---:|---:|"]
+    for f in fit_list:
+      law = f["law"]
+      interval = "n/a (2 runs)" if math.isnan(law.b_low) else f"[{law.b_low:.4f}, {law.b_high:.4f}]"
+      lines.append(f"| {f['fit']} | {f['group']} | {law.n} | {law.b:.4f} | {interval} | {law.a:.4g} | "
+                   f"{law.r2:.3f} | {f['compute_spread']:.2%} |")
+  else:
+    lines.append("No fit: no group of finished runs has two distinct values of compute, bank or top-k.")
+  failed = [r for r in rows if r["status"] != "done"]
+  lines += ["", "## Failed or unfinished runs (kept out of the fits)", ""]
+  lines += [f"- {r['run']}: {r['status']}" + (f", exit {r['returncode']}" if r.get("returncode") else "")
+            + (f", {r['note']}" if r.get("note") else "") + f"; log {os.path.join(r['workdir'], sweeps.LOG)}"
+            for r in failed] or ["None."]
+  if plots:
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, fit_list, out_dir) -> list[str]:
+  """loss_vs_<fit>.png for each fit that has at least one group: points and fitted lines, log-log."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib import ticker
+  names = []
+  for fit, x, _, label in FITS:
+    chosen = [f for f in fit_list if f["fit"] == fit]
+    if not chosen:
+      continue
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for f in chosen:
+      members = [r for r in rows if r["run"] in f["runs"]]
+      xs = np.array(sorted(r[x] for r in members), np.float64)
+      law = f["law"]
+      interval = "" if math.isnan(law.b_low) else f" [{law.b_low:.3f}, {law.b_high:.3f}]"
+      dots = ax.plot([r[x] for r in members], [r["val_ce"] for r in members], "o")[0]
+      ax.plot(xs, law(xs), "--", color=dots.get_color(), label=f"{f['group']}: b = {law.b:.3f}{interval}")
+    ax.set_xscale("log"), ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))  # plain numbers, not powers of 10
+    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+    if fit != "compute":  # a tick at each bank size / top-k run
+      ax.set_xticks(sorted({r[x] for r in rows if any(r["run"] in f["runs"] for f in chosen)}))
+      ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+      ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_xlabel(label), ax.set_ylabel("final validation CE (nats/token)")
+    ax.legend(fontsize=7), ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    names.append(f"loss_vs_{fit}.png")
+    fig.savefig(os.path.join(out_dir, names[-1]), dpi=100)
+    plt.close(fig)
+  return names
+
+
+def write_csv(rows, path) -> None:
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS} for r in rows)
+
+
+def collect(sweep_dir: str, out_dir: str | None = None) -> str:
+  """Writes results.csv, results.md and the plots into out_dir (default sweep_dir); returns the markdown."""
+  out_dir = out_dir or sweep_dir
+  os.makedirs(out_dir, exist_ok=True)
+  rows = run_rows(sweep_dir)
+  fit_list = fits(rows)
+  entry = sweeps.read_manifest(sweep_dir)[0]
+  title = f"Sweep {os.path.basename(os.path.normpath(sweep_dir))}"
+  if "config" in entry:
+    title += f": `--config={entry['config']} --sweep={entry['sweep']}`"
+  write_csv(rows, os.path.join(out_dir, "results.csv"))
+  text = markdown(title, rows, fit_list, plot(rows, fit_list, out_dir))
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    f.write(text)
+  return text
