@@ -39,7 +39,7 @@ def _run(module, argv, capsys):
   return result
 
 
-@pytest.mark.slow  # the default suite keeps moc_vs_vanilla and xla_vs_analytic as the harness's smoke tests
+@pytest.mark.slow  # the default suite keeps xla_vs_analytic as the harness's smoke test
 def test_train_mfu(capsys):
   r = _run(train_mfu, [f"--config={TINY}", "--batch_size=2", "--steps=1", "--warmup=0", "--profile_reps=1",
                        "--peak_sizes=128", *SHORT], capsys)
@@ -49,6 +49,7 @@ def test_train_mfu(capsys):
   assert r["profile"]["optimizer_s"] > 0
 
 
+@pytest.mark.slow
 def test_moc_vs_vanilla(capsys):
   # SHORT fixes the depth, so the baseline here is the 2-layer vanilla model, not the iso-FLOP one.
   r = _run(moc_vs_vanilla, [f"--config={TINY}", "--vanilla=configs/vanilla.py:tiny", "--batch_size=2",
