@@ -81,16 +81,23 @@ def _exit_bad_flag(message):
   sys.exit(2)
 
 
-def load_config(spec: str, overrides: dict | None = None) -> config_dict.ConfigDict:
-  """Loads `path.py[:arg]`, applies dotted `overrides`, validates, and returns a locked config."""
-  path, _, arg = spec.partition(":")
+def config_module(path: str):
+  """The config file at `path` (relative to the working directory or the repository) as a module: configs
+  are loaded by path, not imported as a package."""
   if not os.path.isabs(path) and not os.path.exists(path):
     path = os.path.join(REPO_ROOT, path)
   if not os.path.exists(path):
-    raise ConfigError(f"config file {spec!r} not found; pass e.g. 'configs/moc.py:tiny'")
+    raise ConfigError(f"config file {path!r} not found; pass e.g. 'configs/moc.py:tiny'")
   module_spec = importlib.util.spec_from_file_location(f"_moc_cfg_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
+  return module
+
+
+def load_config(spec: str, overrides: dict | None = None) -> config_dict.ConfigDict:
+  """Loads `path.py[:arg]`, applies dotted `overrides`, validates, and returns a locked config."""
+  path, _, arg = spec.partition(":")
+  module = config_module(path)
   try:
     config = module.get_config(arg) if arg else module.get_config()
   except ValueError as e:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import sys
 import threading
 import time
 
-from moc_jax.config import REPO_ROOT, ConfigError, memory_layers, validate
+from moc_jax.config import REPO_ROOT, ConfigError, config_module, memory_layers, validate
 
 BACKENDS = ("local", "tpu_pod", "slurm")
 MANIFEST = "manifest.jsonl"
@@ -93,23 +92,12 @@ def resolve(spec: str, overrides: dict):
   return values.config
 
 
-def _config_module(path):
-  if not os.path.isabs(path) and not os.path.exists(path):
-    path = os.path.join(REPO_ROOT, path)
-  if not os.path.exists(path):
-    raise ConfigError(f"config file {path!r} not found; pass e.g. 'configs/moc.py:tiny'")
-  spec = importlib.util.spec_from_file_location(f"_moc_sweep_cfg_{abs(hash(path))}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def plan(spec: str, sweep: str, extra: dict | None = None, only=None) -> list[Point]:
   """The sweep's points, each resolved and validated (nothing compiled). `extra` overrides (e.g. from
   the command line) change the config the sweep is built from and apply to every point without entering
   its name; a field the sweep sets itself is refused. `only` keeps the named points."""
   path = spec.partition(":")[0]
-  module = _config_module(path)
+  module = config_module(path)
   if not hasattr(module, "get_sweep"):
     raise ConfigError(f"{path} defines no sweeps (get_sweep); configs/moc.py does")
   extra, points, seen = dict(extra or {}), [], {}

@@ -5,7 +5,6 @@ written to eval.json (+ routing plots) and summarised as a markdown table.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ from ml_collections import config_dict
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
 from moc_jax import sharding
-from moc_jax.config import REPO_ROOT, ConfigError, memory_layers
+from moc_jax.config import REPO_ROOT, ConfigError, config_module, memory_layers
 from moc_jax.eval import mcq
 from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes
 from moc_jax.eval.scoring import Scorer, everywhere, stderr
@@ -31,11 +30,7 @@ log = logging.getLogger("moc_jax")
 
 def base_config() -> config_dict.ConfigDict:
   """configs/common.py's every-field defaults (the structure config.json is read into)."""
-  path = os.path.join(REPO_ROOT, "configs", "common.py")
-  spec = importlib.util.spec_from_file_location("_moc_cfg_common", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.base_config()
+  return config_module(os.path.join(REPO_ROOT, "configs", "common.py")).base_config()
 
 
 def _as_saved(value):
