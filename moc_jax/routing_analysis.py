@@ -12,9 +12,10 @@ baseline). The decision compared is the one that predicts the answer's first tok
 (`sequence`), the last prompt position's (`token`, `prefix`) or that position's chunk's (`chunk`).
 Routing keyed on the fact shows paraphrase overlap above the baseline.
 
-Ablation: chosen chapters of the bank are set to zero and the split's CE measured again. Routing does not
-read the bank, so the same chapters are still picked; the change is what their contents contribute
-(a chapter no decision picks changes nothing, exactly).
+Ablation: chosen chapters of the bank are set to zero and the split's CE measured again. A router reads its
+layer's input, not the bank: the first memory layer picks the same chapters, later ones may pick others once
+an earlier read has changed. The change is what the chapters' contents contribute, through the reads and
+through that rerouting (a chapter no decision picks changes nothing, exactly).
 """
 from __future__ import annotations
 
