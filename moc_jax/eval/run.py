@@ -249,9 +249,10 @@ def _quantized(config, mesh, graphdef, params, split_eval, report, bits, probes,
   q_graphdef, q_state = nnx.split(quantize.quantize_model(nnx.merge(graphdef, params), bits))
   q_eval = SplitEvaluator(q_graphdef, sharding.logical_shardings(q_state, mesh, sharding.rules_of(config)),
                           split_eval.sharding, split_eval.batches)
-  bank = q_state["bank"]
-  out = {"bits": bits, **q_eval(q_state), "bank_bytes": bank["codes"][...].size + 4 * bank["scales"][...].size,
-         "float_bank_bytes": 4 * params["bank"]["memory"][...].size}
+  banks, _, t, d = params["bank"]["memory"][...].shape  # chapters: the user view's, not this mesh's padding
+  rows = banks * config.memory.num_chapters * t
+  out = {"bits": bits, **q_eval(q_state), "bank_bytes": rows * (d * int(bits[3:]) // 8 + 4),
+         "float_bank_bytes": 4 * rows * d}
   out["ce_delta"] = out["ce"] - report["ce"]
   if probes:
     out["fact_recall"] = _fact_recall(ProbeEvaluator(q_graphdef, probes, tokenizer), q_state, edges)
