@@ -8,7 +8,7 @@ PYTEST_ARGS ?= -n 2
 .PHONY: venv test test-slow run parity clean
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.lock setup.cfg pyproject.toml
+$(VENV)/.installed: requirements.lock setup.cfg setup.py pyproject.toml
 	@test -n "$(PY312)" || { echo "python3.12 not found: install it or pass PY312=/path/to/python3.12"; exit 1; }
 	$(PY312) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.lock

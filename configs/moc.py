@@ -3,11 +3,7 @@
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
 Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo) run through launch/sweep.py.
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (configs are loaded by path, not as a package)
+from moc_jax.config import schema
 
 
 def _262k(c):
@@ -43,11 +39,11 @@ MODELS = {"262k": _262k, "small": _small, "tiny": _tiny}
 
 
 def get_config(arg="tiny"):
-  name, mods = common.parse_arg(arg, MODELS)
-  c = MODELS[name](common.base_config())
+  name, mods = schema.parse_arg(arg, MODELS)
+  c = MODELS[name](schema.base_config())
   c.name = f"moc-{name}"
   if "runlocal" in mods:
-    c = common.runlocal(c)
+    c = schema.runlocal(c)
   unknown = mods - {"runlocal"}
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; known: ['runlocal']")

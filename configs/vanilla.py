@@ -3,17 +3,14 @@
 `backbone` is the MoC model with the memory removed (16 layers for the paper model); `tiny`/`small`
 mirror moc.py. `iso` is the paper's "iso-FLOP" baseline as trained (24 layers, MoC-PT vanilla_control_run5),
 which by MoC-PT's own estimator (moc_jax/flops.py) is not iso-FLOP: +8.0% forward and forward+backward,
-+8.3% training with layer recompute, against the MoC 262k model (reference_spec.md §5.3, §8 item 13).
++8.3% training with layer recompute, against the MoC 262k model (docs/mocpt_semantics.md#iso-flop-baseline).
 `iso=<moc name>` (e.g. `iso=262k`, `iso=small`) instead picks the depth whose training FLOPs (recompute
 included, one data.seq_len sequence) are closest to that MoC model's, and prints it: 22 layers for 262k
 (+0.4%).
 """
-import os
-import sys
+from moc_jax.config import schema, sibling
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import moc  # noqa: E402
+moc = sibling(__file__, "moc")
 
 _LAYERS = {"backbone": None, "iso": 24, "tiny": None, "small": None}
 _ISO_TARGETS = {f"iso={name}": name for name in moc.MODELS}
@@ -48,7 +45,7 @@ def _iso_flop_layers(target):
 
 
 def get_config(arg="tiny"):
-  name, mods = common.parse_arg(arg, {*_LAYERS, *_ISO_TARGETS})
+  name, mods = schema.parse_arg(arg, {*_LAYERS, *_ISO_TARGETS})
   if name in _ISO_TARGETS:
     base, layers = _ISO_TARGETS[name], _iso_flop_layers(_ISO_TARGETS[name])  # chosen before modifiers
   else:

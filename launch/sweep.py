@@ -16,9 +16,11 @@ import shlex
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(LAUNCH_DIR)
+sys.path.insert(0, REPO)  # an uninstalled checkout runs its own moc_jax
 from moc_jax import sweep_report, sweeps  # noqa: E402
-from moc_jax.config import ConfigError  # noqa: E402
+from moc_jax.errors import ConfigError  # noqa: E402
 
 
 def main(argv=None):
@@ -48,7 +50,7 @@ def main(argv=None):
   try:
     points = sweeps.plan(args.config, args.sweep, extra, args.only.split(",") if args.only else None)
     launcher = sweeps.Launcher(sweep_dir, args.config, args.sweep, points, args.backend,
-                               shlex.split(args.backend_args))
+                               shlex.split(args.backend_args), launch_dir=LAUNCH_DIR, python_path=(REPO,))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

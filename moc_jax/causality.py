@@ -10,7 +10,6 @@ non-zero change comes from routing (`sequence` pools the whole row).
 from __future__ import annotations
 
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 import moc_jax
-from moc_jax.config import parse_flags, routing_is_causal
+from moc_jax.config import routing_is_causal
+from moc_jax import cli
 
 
 def _redraw_zeros(model, seed):
@@ -57,21 +57,16 @@ def probe(config, *, length=None, batch=2, seed=0, positions=None) -> dict:
 
 def main(argv):
   from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/moc.py:tiny.")
-  flags.DEFINE_integer("length", None, "Sequence length probed (default min(max_seq_len, 64)).")
-
-  def run(args):
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    if len(args) > 1 or flags.FLAGS.config is None:
-      raise app.UsageError("usage: python -m moc_jax.causality --config=PATH.py:ARG [--config.x=y]")
-    result = probe(flags.FLAGS.config, length=flags.FLAGS.length)
-    print(json.dumps(result))
-    return 0 if result["causal"] == result["causal_by_design"] else 1
-
-  app.run(run, argv, flags_parser=parse_flags)
+  cli.quiet_libraries()
+  if len(argv) > 1 or flags.FLAGS.config is None:
+    raise app.UsageError("usage: python -m moc_jax.causality --config=PATH.py:ARG [--config.x=y]")
+  result = probe(flags.FLAGS.config, length=flags.FLAGS.length)
+  print(json.dumps(result))
+  return 0 if result["causal"] == result["causal_by_design"] else 1
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  from absl import flags
+  cli.define_config_file_flag("Config file and argument, e.g. configs/moc.py:tiny.")
+  flags.DEFINE_integer("length", None, "Sequence length probed (default min(max_seq_len, 64)).")
+  cli.run(main)

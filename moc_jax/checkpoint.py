@@ -14,12 +14,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from moc_jax import sharding
+from moc_jax.errors import CheckpointError
 
 ITEMS = ("params", "opt_state", "step", "data_iter", "rng")
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint cannot be used for this run; the message says why and what to do."""
 
 
 def checkpoint_dir(workdir_or_dir: str) -> str:

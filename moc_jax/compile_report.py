@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from moc_jax import sharding
-from moc_jax.train import loop
+from moc_jax.state import build_state
+from moc_jax.train.step import jit_train_step
 
 _COLLECTIVE = re.compile(r"=\s*(.*?)\s+all-gather(?:-start)?\(")
 _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
@@ -54,9 +55,9 @@ _DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32
 def report(config) -> dict:
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
-    layout = loop.build_state(config, mesh)
+    layout = build_state(config, mesh)
     batch_sharding = sharding.data_sharding(config, mesh)
-    step = loop.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, batch_sharding)
+    step = jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, batch_sharding)
     t0 = time.perf_counter()
     compiled = step.lower(layout.abstract, abstract_batch(config, batch_sharding)).compile()
     seconds = time.perf_counter() - t0

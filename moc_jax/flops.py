@@ -1,20 +1,20 @@
-"""Analytic FLOPs of a config, counted exactly as MoC-PT's `scripts/estimate_flops.py` (reference_spec.md §5.2).
+"""Analytic FLOPs of a config, counted exactly as MoC-PT's `scripts/estimate_flops.py` (docs/mocpt_semantics.md).
 
 The paper's compute claims (459,171,802,488 forward FLOPs per 1024-token sequence, the "iso-FLOP"
-vanilla baseline) are statements about that estimator, so this one reproduces it to the unit (§5.3)
+vanilla baseline) are statements about that estimator, so this one reproduces it to the unit (docs/mocpt_semantics.md#published-flops-and-parameter-counts)
 instead of counting our own XLA ops. Every count is an exact integer. With sequence routing the memory
 terms cover only the tokens actually read, (num_shared + top_k) chapters per sequence, never the bank.
 
-Rules §5.2 leaves open, fixed by the §5.3 numbers:
+Rules its counting (docs/mocpt_semantics.md#flops-counting-rules) leaves open, fixed by its published numbers:
 * top-k costs B·C·max(1, ceil(log2 k)) with k = routed top-k (4097·6 = 24,582 for k = 64);
-* every router statistic is counted whatever its loss coefficient: §5.3 counts the MSE aux term
+* every router statistic is counted whatever its loss coefficient: the published numbers count the MSE aux term
   (12,291; off in the paper run) and the entropy (16,388; only ever logged);
 * the LB and MSE aux terms reduce over chapters only, so they do not grow with the batch: FLOPs are
   linear in B except for those 2C + 3C per memory layer;
 * cross-entropy runs over L−1 positions: 5·1023·49,152 = 251,412,480 (L would give 251,658,240);
 * the 7 element-wise FLOPs per score (softmax 5 + mask/scale 2) apply to memory attention too, and
   its QKᵀ+AV width is d_model whatever memory.num_kv_heads / memory.dim: 4·1024·4160·768 =
-  13,086,228,480, the value §5.3's memory-attention total 25,674,645,504 implies (the sub-part §5.3
+  13,086,228,480, the value the published memory-attention total 25,674,645,504 implies (the sub-part as published
   prints, 13,086,351,360, is 122,880 off and does not add up to that total).
 
 `python -m moc_jax.flops --config=configs/moc.py:262k [--batch=B] [--seq_len=L] [--json] [--config.x=y]`
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 from moc_jax.config import bank_ids, memory_layers
 
@@ -39,7 +38,7 @@ class Flops:
   matmul: bool = False
 
 
-# ---- counting rules (§5.2), one function each ----
+# ---- counting rules (MoC-PT's estimate_flops.py), one function each ----
 
 def linear(n, d_in, d_out):
   return Flops(2 * n * d_in * d_out, matmul=True)
@@ -134,7 +133,7 @@ def selected_tokens(c) -> int:
 
 
 def _router(c, b, l):
-  """Router and its statistics. Sequence routing: one decision per row (§5.2). Per-position routing
+  """Router and its statistics. Sequence routing: one decision per row (as MoC-PT counts it). Per-position routing
   (not in MoC-PT's estimator; our count): one decision per position (token, prefix) or per chunk,
   pooled by a cumulative masked sum (prefix, chunk: a sum and a count per position, a divide per
   decision)."""
@@ -304,30 +303,25 @@ def _table(e, config, per_token) -> str:
 
 def main(argv):
   from absl import app, flags
-  from absl import logging as absl_logging
-  from moc_jax.config import ConfigError, validate
-  absl_logging.set_verbosity(absl_logging.WARNING)  # JAX backend probing chatter off the console
+  from moc_jax import cli
+  from moc_jax.config import validate
+  cli.quiet_libraries()  # JAX backend probing chatter off the console
   f = flags.FLAGS
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if f.config is None:
     raise app.UsageError("--config=PATH.py:ARG is required, e.g. configs/moc.py:262k")
-  try:
-    validate(f.config)
-  except ConfigError as err:
-    print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)
+  validate(f.config)
   e = estimate(f.config, f.config.train.batch_size if f.batch is None else f.batch, f.seq_len,
                recompute=f.recompute, flash=f.flash, world_size=f.world_size, accum=f.accum, steps=f.steps)
   print(json.dumps(e) if f.json else _table(e, f.config, model_flops_per_token(f.config, e["seq_len"])))
 
 
-if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/moc.py:262k.",
-                                  lock_config=True)
-  flags.DEFINE_integer("batch", None, "Sequences per micro-step (default train.batch_size; 1 = §5.3's table).")
+def _define_flags():
+  from absl import flags
+  from moc_jax import cli
+  cli.define_config_file_flag("Config file and argument, e.g. configs/moc.py:262k.")
+  flags.DEFINE_integer("batch", None, "Sequences per micro-step (default train.batch_size; 1 = MoC-PT's table).")
   flags.DEFINE_integer("seq_len", None, "Tokens per sequence (default data.seq_len).")
   flags.DEFINE_bool("recompute", True, "Count per-layer activation checkpointing.")
   flags.DEFINE_bool("flash", True, "Assume flash attention (False adds memory-attention recompute).")
@@ -335,5 +329,9 @@ if __name__ == "__main__":
   flags.DEFINE_integer("accum", None, "Micro-steps per step (default train.grad_accum).")
   flags.DEFINE_integer("steps", None, "Steps per run (default train.steps).")
   flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
-  from moc_jax.config import parse_flags
-  app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  from moc_jax import cli
+  _define_flags()
+  cli.run(main)

@@ -23,8 +23,14 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from moc_jax.config import DECODE_ROUTINGS, ConfigError, parse_flags, validate
+from moc_jax import cli, sharding
+from moc_jax.config import load_run_config, validate
+from moc_jax.config.schema import DECODE_ROUTINGS, base_config
+from moc_jax.data.tokenizers import get_tokenizer
+from moc_jax.errors import UsageError
 from moc_jax.model import decode
+from moc_jax.model.routing import resolve_decode_routing
+from moc_jax.state import build_state, restore_params
 
 NOT_GENERATED = -1  # output slots after a row stopped
 
@@ -44,7 +50,7 @@ def sample(logits, key, temperature, top_p):
 
 def _prefill(graphdef, params, ids, valid, *, max_len):
   model = nnx.merge(graphdef, params)
-  logits, cache = decode.step(model, decode.init_cache(model, ids.shape[0], max_len), ids, valid)
+  cache, logits = decode.step(model, decode.init_cache(model, ids.shape[0], max_len), ids, valid)
   return logits[:, -1], cache
 
 
@@ -61,7 +67,7 @@ def _decode(graphdef, stop_ids, pad_id, vocab_size, params, cache, logits, key, 
 
   def body(carry):
     i, token, cache, out, done = carry
-    logits, cache = decode.step(model, cache, jnp.where(done, pad_id, token)[:, None], ~done[:, None])
+    cache, logits = decode.step(model, cache, jnp.where(done, pad_id, token)[:, None], ~done[:, None])
     token = jnp.where(done, NOT_GENERATED, pick(logits[:, -1], i))
     return i + 1, token, cache, out.at[:, i].set(token), done | jnp.isin(token, stops)
 
@@ -107,19 +113,10 @@ def left_pad(prompts, pad_id):
   return jnp.asarray(ids), jnp.asarray(valid)
 
 
-class UsageError(ValueError):
-  """A bad command line; the message names the fix."""
-
-
 def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0, step=None, routing=None,
         overrides=None):
   """The command line's work -> (completions, summary). The run's config and parameters are read as
-  `python -m moc_jax.eval` reads them (`moc_jax.eval.run`)."""
-  from moc_jax import sharding
-  from moc_jax.data.tokenizers import get_tokenizer
-  from moc_jax.eval.run import load_run_config, restore
-  from moc_jax.model.memory import resolve_decode_routing
-  from moc_jax.train.loop import build_state
+  `python -m moc_jax.eval` reads them (`config.load_run_config`, `state.restore_params`)."""
 
   if routing is not None and routing not in DECODE_ROUTINGS:
     raise UsageError(f"--routing={routing}: unknown; use one of {list(DECODE_ROUTINGS)}")
@@ -146,7 +143,7 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = build_state(config, mesh)
-    params, restored = restore(workdir, layout, step)
+    params, restored = restore_params(workdir, layout, step)
     gen = Generator(layout.graphdef, stop_ids=sorted({tokenizer.eos_id, tokenizer.eot_id}),
                     pad_id=tokenizer.pad_id, vocab_size=tokenizer.vocab_size)
     t0 = time.time()
@@ -163,9 +160,7 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
 
 def _define_flags():
   """Flags exist only when this module runs as the command (other entry points define theirs)."""
-  from moc_jax.config import define_overrides_flag
-  from moc_jax.eval.run import base_config
-  define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.memory.routing_window=64.")
+  cli.define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.memory.routing_window=64.")
   flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
   flags.DEFINE_multi_string("prompt", None, "Prompt text; repeat the flag for a batch of prompts.")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt (fewer if model.max_seq_len is reached).")
@@ -179,22 +174,12 @@ def _define_flags():
 def _main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.WARNING)  # library INFO chatter (orbax) off the console
-  from ml_collections import config_flags
-
-  from moc_jax.checkpoint import CheckpointError
-  from moc_jax.data import DataError
+  cli.quiet_libraries()
   f = flags.FLAGS
-  try:
-    if not f.workdir:
-      raise UsageError("--workdir=DIR is required: the directory of a training run (config.json, checkpoints/)")
-    texts, summary = run(f.workdir, f.prompt, f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
-                         seed=f.seed, step=f.step, routing=f.routing,
-                         overrides=config_flags.get_override_values(f["config"]))
-  except (UsageError, ConfigError, CheckpointError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  if not f.workdir:
+    raise UsageError("--workdir=DIR is required: the directory of a training run (config.json, checkpoints/)")
+  texts, summary = run(f.workdir, f.prompt, f.max_new_tokens, temperature=f.temperature, top_p=f.top_p,
+                       seed=f.seed, step=f.step, routing=f.routing, overrides=cli.override_values())
   for prompt, text in zip(f.prompt, texts):
     print(prompt + text)
   print(json.dumps(summary), file=sys.stderr)
@@ -202,4 +187,4 @@ def _main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(_main, flags_parser=parse_flags)
+  cli.run(_main)

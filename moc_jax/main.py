@@ -10,21 +10,30 @@ every process runs the same command and feeds its own slice of each batch.
 """
 from __future__ import annotations
 
-import logging
-import sys
-
 from absl import app, flags
-from ml_collections import config_flags
 
-config_flags.DEFINE_config_file("config", None, "Config file and argument, e.g. configs/moc.py:tiny.",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Run directory: config.json, checkpoints/, metrics.jsonl, loss.png.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "compile"], "train (resumes automatically), eval or compile.")
-flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed; cluster auto-detected).")
-flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a multi-process run.")
-flags.DEFINE_integer("num_processes", None, "Processes in the multi-process run.")
-flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+from moc_jax import cli
+
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """This command's flags (defined only when it runs: other entry points define their own)."""
+  cli.define_config_file_flag("Config file and argument, e.g. configs/moc.py:tiny.")
+  flags.DEFINE_string("workdir", None, "Run directory: config.json, checkpoints/, metrics.jsonl, loss.png.")
+  flags.DEFINE_enum("mode", "train", ["train", "eval", "compile"], "train (resumes automatically), eval or compile.")
+  flags.DEFINE_bool("distributed", False, "Join a multi-process run (jax.distributed; cluster auto-detected).")
+  flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a multi-process run.")
+  flags.DEFINE_integer("num_processes", None, "Processes in the multi-process run.")
+  flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
+
+
+def train(config, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds checkpoints) with the standard validation
+  evaluation (CE, and fact recall on moc_facts); returns the last metrics."""
+  from moc_jax.eval.validation import ValidationEvaluator
+  from moc_jax.train.loop import train_and_evaluate
+  return train_and_evaluate(config, workdir, ValidationEvaluator)
 
 
 def main(argv):
@@ -32,44 +41,27 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   if FLAGS.config is None or (FLAGS.workdir is None and FLAGS.mode != "compile"):
     raise app.UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
-  from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.WARNING)  # library INFO chatter (orbax, tfds) off the console
-  import tensorflow_datasets as tfds
-  tfds.disable_progress_bar()
-  logging.getLogger("moc_jax").setLevel(logging.INFO)
+  cli.quiet_libraries()
+  cli.quiet_datasets()
   from moc_jax import distributed
-  from moc_jax.config import ConfigError, validate
-  from moc_jax.checkpoint import CheckpointError
-  from moc_jax.data import DataError
-  from moc_jax.train.loop import TrainingError, evaluate_checkpoint, train_and_evaluate
+  from moc_jax.config import validate
+  from moc_jax.errors import ConfigError
+  cli.use_fake_devices(FLAGS.config.num_fake_devices)  # both before the first use of a JAX backend
   try:
-    _use_fake_devices(FLAGS.config.num_fake_devices)  # both before the first use of a JAX backend
-    try:
-      distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.distributed)
-    except ValueError as e:  # a malformed address / process id: named by the message
-      raise ConfigError(str(e)) from e
-    validate(FLAGS.config)
-    if FLAGS.mode == "train":
-      train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    elif FLAGS.mode == "eval":  # the same evaluation as `python -m moc_jax.eval`, under this --config
-      from moc_jax.eval import markdown_table
-      print(markdown_table(evaluate_checkpoint(FLAGS.config, FLAGS.workdir)))
-    else:
-      from moc_jax import compile_report
-      compile_report.main(FLAGS.config)
-  except (ConfigError, CheckpointError, DataError, TrainingError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _use_fake_devices(n):
-  """`config.num_fake_devices`: a CPU with n devices stands in for a slice (compile reports, tests)."""
-  if n:
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n)
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.distributed)
+  except ValueError as e:  # a malformed address / process id: named by the message
+    raise ConfigError(str(e)) from e
+  validate(FLAGS.config)
+  if FLAGS.mode == "train":
+    train(FLAGS.config, FLAGS.workdir)
+  elif FLAGS.mode == "eval":  # the same evaluation as `python -m moc_jax.eval`, under this --config
+    from moc_jax.eval import evaluate, markdown_table
+    print(markdown_table(evaluate(FLAGS.config, FLAGS.workdir)))
+  else:
+    from moc_jax import compile_report
+    compile_report.main(FLAGS.config)
 
 
 if __name__ == "__main__":
-  from moc_jax.config import parse_flags
-  app.run(main, flags_parser=parse_flags)
+  define_flags()
+  cli.run(main)

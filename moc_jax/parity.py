@@ -7,6 +7,7 @@ prints the relative error ||ours - theirs|| / ||theirs|| of the logits, the eval
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -15,7 +16,9 @@ import numpy as np
 from flax import nnx
 
 import moc_jax
-from moc_jax.convert.mocpt import config_from_mocpt, load_mocpt_state, to_mocpt
+from moc_jax.convert.mocpt import load_mocpt_state, to_mocpt
+from moc_jax.convert.mocpt_config import config_from_mocpt
+from moc_jax.errors import DataError
 from moc_jax.losses import lm_loss
 
 TOLERANCE = 1e-5
@@ -59,6 +62,9 @@ def main(argv):
   if len(argv) != 2:
     print("usage: python -m moc_jax.parity FIXTURE.npz", file=sys.stderr)
     return 2
+  if not os.path.isfile(argv[1]):
+    raise DataError(f"parity fixture {argv[1]!r} not found; pass a .npz written by "
+                    "tests/fixtures/make_mocpt_fixture.py, e.g. tests/fixtures/moc_pt_paper_small.npz")
   errors = compare(argv[1])
   width = max(map(len, errors))
   for name, err in errors.items():
@@ -71,4 +77,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv))
+  from moc_jax import cli
+  cli.run(main)

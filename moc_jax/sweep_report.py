@@ -68,7 +68,7 @@ def run_rows(sweep_dir: str) -> list[dict]:
 
 def _row(sweep_dir, entry):
   from moc_jax import count_params
-  from moc_jax.eval.run import load_run_config
+  from moc_jax.config import load_run_config
   workdir = os.path.join(sweep_dir, entry["name"])
   row = {"run": entry["name"], "status": entry.get("status", "pending"), "wall_s": entry.get("wall_s"),
          "overrides": entry.get("overrides", {}), "returncode": entry.get("returncode"), "workdir": workdir}

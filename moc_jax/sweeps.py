@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 
-from moc_jax.config import REPO_ROOT, ConfigError, config_module, memory_layers, validate
+from moc_jax.config import config_module, memory_layers, validate
+from moc_jax.errors import ConfigError
 
 BACKENDS = ("local", "tpu_pod", "slurm")
 MANIFEST = "manifest.jsonl"
@@ -199,28 +200,26 @@ def write_manifest(sweep_dir: str, entries) -> None:
 
 # ---- backends ---------------------------------------------------------------------------------------
 
-def _script(name):
-  return os.path.relpath(os.path.join(REPO_ROOT, "launch", name))
-
-
-def commands(backend: str, spec: str, point: Point, workdir: str, backend_args=()) -> list[list[str]]:
+def commands(backend: str, spec: str, point: Point, workdir: str, backend_args=(),
+             launch_dir: str = "launch") -> list[list[str]]:
   """What runs `point`, in order; each blocks until the run ends and exits non-zero if it failed.
 
   local: moc_jax.main under this interpreter. tpu_pod: launch/tpu_pod.sh run on every worker of the slice
   (backend_args: --name, --zone, ...), then its `logs` copies config.json and metrics.jsonl into the local
   workdir (checkpoints stay on the pod). slurm: `sbatch --wait` of launch/slurm_gpu.sbatch (backend_args go
-  to sbatch, e.g. --nodes=4), the job's output in the workdir."""
+  to sbatch, e.g. --nodes=4), the job's output in the workdir. `launch_dir`: where those scripts are (the
+  repository's launch/; launch/sweep.py passes its own directory)."""
   main_args = [f"--config={spec}", f"--workdir={workdir}", *config_flags(point.overrides)]
   backend_args = list(backend_args)
   if backend == "local":
     return [[sys.executable, "-m", "moc_jax.main", *main_args]]
   if backend == "tpu_pod":
-    tpu = _script("tpu_pod.sh")
+    tpu = os.path.relpath(os.path.join(launch_dir, "tpu_pod.sh"))
     return [[tpu, "run", *backend_args, "--", *main_args],
             [tpu, "logs", *backend_args, f"--workdir={workdir}", f"--local_dir={os.path.dirname(workdir)}"]]
   if backend == "slurm":
     return [["sbatch", "--wait", f"--output={os.path.join(workdir, 'slurm-%j.out')}", *backend_args,
-             _script("slurm_gpu.sbatch"), "--", *main_args]]
+             os.path.relpath(os.path.join(launch_dir, "slurm_gpu.sbatch")), "--", *main_args]]
   raise ValueError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
 
 
@@ -230,10 +229,14 @@ class Launcher:
   """Runs the points that are not done, `parallel` at a time, keeping manifest.jsonl current.
 
   Ctrl-C sends SIGTERM to the running commands (moc_jax.main then saves a checkpoint and exits), marks
-  them pending and starts nothing more; the same command later resumes them."""
+  them pending and starts nothing more; the same command later resumes them. `launch_dir`: see `commands`;
+  `python_path`: directories put first on the runs' PYTHONPATH (launch/sweep.py: the repository, so an
+  uninstalled checkout runs its own moc_jax)."""
 
-  def __init__(self, sweep_dir, spec, sweep, points, backend="local", backend_args=(), out=None):
+  def __init__(self, sweep_dir, spec, sweep, points, backend="local", backend_args=(), out=None,
+               launch_dir="launch", python_path=()):
     self.dir, self.points, self.backend, self.out = sweep_dir, points, backend, out or sys.stdout
+    self.python_path = tuple(python_path)
     previous = {e["name"]: e for e in read_manifest(sweep_dir)}
     for e in previous.values():
       if (e.get("config"), e.get("sweep")) != (spec, sweep):
@@ -242,7 +245,7 @@ class Launcher:
     self.entries, self.cmds = {}, {}
     for p in points:
       workdir = os.path.join(sweep_dir, p.name)
-      self.cmds[p.name] = commands(backend, spec, p, workdir, backend_args)
+      self.cmds[p.name] = commands(backend, spec, p, workdir, backend_args, launch_dir)
       old = previous.get(p.name, {})
       status = ("done" if finished(workdir, p.config.train.steps) else
                 "failed" if old.get("status") == "failed" else "pending")
@@ -315,7 +318,7 @@ class Launcher:
       e["status"] = "running"
       self._save()
     os.makedirs(e["workdir"], exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (*self.python_path, os.environ.get("PYTHONPATH")) if p)}
     t0, rc = time.time(), 0
     with open(os.path.join(e["workdir"], LOG), "a") as log:
       for cmd in self.cmds[name]:

@@ -1,62 +1,62 @@
-"""One entry point for attention from every token to its own routed chapters.
+"""One entry point for attention from every token to its own routed chapters (the `contract`).
 
-Contract (shared by every implementation):
-  q            [B, L, H, dh]     queries (any float dtype; scores and softmax accumulate in float32)
-  k, v         [C, T, Hkv, dh]   per-layer keys/values of the chapters in use, projected once per step
-  ids          [B, L, S] int32   chapter of slot s for token (b, l); -1 = empty slot (reads nothing)
-  logit_scale  [B, L, S]         multiplies slot s's logits q.k/sqrt(dh)
-  value_scale  [B, L, S]         multiplies slot s's values
-  combine      "joint": one softmax over the tokens of all slots (sequence / prefix / chunk routing,
-                        where a chapter weight scales its keys and values);
-               "moe":   a softmax per slot, outputs summed (token routing).
-Query head h reads kv head h // (H / Hkv). Returns float32 [B, L, H, dh]; a token whose slots are all
-empty gets zeros. `return_lse` (joint only) also returns the float32 log-sum-exp [B, L, H] of the joint
-logits (-1e30 where every slot is empty), differentiable, so that partial results over disjoint chapter
-sets (a sharded bank) merge exactly.
-
-`implementation`: "reference" (gathered oracle), "xla" (never gathers keys per (token, slot)),
-"pallas" (TPU Mosaic / GPU kernels, interpret mode on CPU), "auto" (pallas on TPU/GPU, xla elsewhere).
+The implementations (`reference`, `xla`, `pallas`) never import one another: choosing among them is this
+module's job alone, so each can be read, tested and replaced on its own. `implementation`:
+  "reference"  the gathered oracle (tests only: it materialises K/V per (token, slot));
+  "xla"        plain XLA, never gathers keys per (token, slot);
+  "pallas"     the TPU Mosaic / GPU kernels, in interpret mode on CPU;
+  "auto"       the fallback chain: the first implementation of REGISTRY, in order, native to the
+               default backend. That is the kernels on TPU and GPU and XLA everywhere else, so a
+               backend without kernels still runs and never gets the oracle.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import jax
 
-from kernels_pallas.routed_chapter_attention import reference
-
-IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
-COMBINES = ("joint", "moe")
+from kernels_pallas.routed_chapter_attention import contract, pallas, reference, xla
 
 
-def check_shapes(q, k, v, ids, logit_scale, value_scale, combine):
-  """Raises ValueError naming the argument whose shape or value breaks the contract."""
-  if combine not in COMBINES:
-    raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-    raise ValueError(f"q must be [B,L,H,dh] and k, v equal [C,T,Hkv,dh]; got {q.shape}, {k.shape}, {v.shape}")
-  if q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
-    raise ValueError(f"head_dim must match and H={q.shape[2]} be a multiple of Hkv={k.shape[2]}")
-  if ids.shape[:2] != q.shape[:2] or ids.ndim != 3:
-    raise ValueError(f"ids must be [B, L, S] with B, L of q {q.shape[:2]}; got {ids.shape}")
-  for name, x in (("logit_scale", logit_scale), ("value_scale", value_scale)):
-    if x.shape != ids.shape:
-      raise ValueError(f"{name} must have the shape of ids {ids.shape}; got {x.shape}")
+class Implementation(NamedTuple):
+  """attend(q, k, v, ids, logit_scale, value_scale, combine, *, return_lse) per `contract`, plus
+  `interpret=` when takes_interpret (the other implementations have no interpreter to configure).
+  platforms: the default backends it is native to, where "auto" may pick it (None: any; (): none)."""
+  attend: Callable[..., Any]
+  platforms: tuple[str, ...] | None
+  takes_interpret: bool = False
+
+  def native_to(self, backend: str) -> bool:
+    return self.platforms is None or backend in self.platforms
+
+
+REGISTRY = {  # in the order "auto" tries them; xla, native everywhere, ends the chain
+    "pallas": Implementation(pallas.routed_chapter_attention, ("tpu", "gpu"), takes_interpret=True),
+    "xla": Implementation(xla.routed_chapter_attention, None),
+    "reference": Implementation(reference.routed_chapter_attention, ()),
+}
+IMPLEMENTATIONS = ("auto", *REGISTRY)
+
+
+def resolve(implementation: str) -> str:
+  """The registry name `implementation` stands for on the default backend; raises ValueError if unknown."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation != "auto":
+    return implementation
+  backend = jax.default_backend()
+  return next(name for name, entry in REGISTRY.items() if entry.native_to(backend))
 
 
 def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, *, combine="joint",
                              implementation="auto", interpret=None, return_lse=False):
-  check_shapes(q, k, v, ids, logit_scale, value_scale, combine)
-  if return_lse and combine != "joint":
-    raise ValueError("return_lse is defined for combine='joint' only")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if implementation == "auto":
-    implementation = "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
-  if implementation == "reference":
-    return reference.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse)
-  if implementation == "xla":
-    from kernels_pallas.routed_chapter_attention import xla
-    return xla.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse=return_lse)
-  from kernels_pallas.routed_chapter_attention import pallas
-  return pallas.routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine,
-                                         interpret=jax.default_backend() == "cpu" if interpret is None else interpret,
-                                         return_lse=return_lse)
+  """See `contract` for the arguments and results; `implementation` as in this module's docstring.
+
+  interpret (pallas only): None = interpret mode exactly when the default backend is CPU; True = the
+  generic interpreter; a pltpu.InterpretParams = the TPU simulator.
+  """
+  contract.check_arguments(q, k, v, ids, logit_scale, value_scale, combine, return_lse)
+  entry = REGISTRY[resolve(implementation)]
+  options = {"interpret": interpret} if entry.takes_interpret else {}
+  return entry.attend(q, k, v, ids, logit_scale, value_scale, combine, return_lse=return_lse, **options)

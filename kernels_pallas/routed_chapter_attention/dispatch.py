@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30  # finite: a token with no slots keeps NaN-free log-sum-exp merges
+from kernels_pallas.routed_chapter_attention.contract import NEG_INF
 
 
 def num_tiles_bound(num_pairs: int, num_chapters: int, block_pairs: int) -> int:

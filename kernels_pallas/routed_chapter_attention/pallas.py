@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.routed_chapter_attention import api, dispatch, pallas_gpu, pallas_tpu
+from kernels_pallas.routed_chapter_attention import contract, dispatch, pallas_gpu, pallas_tpu
 
 BACKENDS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 DEFAULT_BLOCK_PAIRS = {"tpu": 128, "gpu": 64}  # TPU: MXU rows; GPU: one Triton program's query rows
@@ -35,7 +35,7 @@ class _Config(NamedTuple):
 
 def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *, interpret=None,
                              backend=None, block_pairs=None, return_lse=False):
-  """See `api` for the contract. Returns float32 [B, L, H, dh], and with return_lse=True (joint only)
+  """See `contract`. Returns float32 [B, L, H, dh], and with return_lse=True (joint only)
   also the float32 joint log-sum-exp [B, L, H] (-1e30 for a token without slots) for merging partial
   results across devices; it is differentiable.
 
@@ -43,9 +43,7 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *,
     pltpu.InterpretParams = the TPU simulator (tpu backend; out-of-bounds and race checks).
   backend: "tpu" | "gpu" | None (the default device's). block_pairs: rows per tile (backend default).
   """
-  api.check_shapes(q, k, v, ids, logit_scale, value_scale, combine)
-  if return_lse and combine != "joint":
-    raise ValueError("return_lse needs combine='joint' (moe has no joint normaliser)")
+  contract.check_arguments(q, k, v, ids, logit_scale, value_scale, combine, return_lse)
   backend = backend or ("gpu" if jax.default_backend() == "gpu" else "tpu")
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")

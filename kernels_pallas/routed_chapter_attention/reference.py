@@ -1,18 +1,21 @@
 """The test oracle: gather every (token, slot) chapter's keys and values, then plain softmax attention.
 
-Materialises [B, L, S, T, Hkv, dh] keys and values — obviously correct, hopeless at scale.
+Materialises [B, L, S, T, Hkv, dh] keys and values — obviously correct, hopeless at scale. It shares no
+code with the other implementations beyond the contract, so that a bug in their plan or merge cannot
+hide in the oracle as well.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+from kernels_pallas.routed_chapter_attention.contract import NEG_INF, check_combine
 
 
 def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, return_lse=False):
-  """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh] (and, with
-  `return_lse`, the joint logits' log-sum-exp [B, L, H])."""
+  """See `contract`. Returns float32 [B, L, H, dh] (and, with `return_lse`, the joint logits'
+  log-sum-exp [B, L, H])."""
+  check_combine(combine, return_lse)
   b, l, h, dh = q.shape
   hkv = k.shape[2]
   valid = ids >= 0
@@ -26,16 +29,12 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, re
     flat = scores.reshape(b, l, hkv, h // hkv, -1)
     probs = jax.nn.softmax(flat, axis=-1).reshape(scores.shape)
     lse = jnp.where(jnp.any(valid, -1)[:, :, None, None], jax.nn.logsumexp(flat, axis=-1), NEG_INF)
-  elif combine == "moe":
-    probs = jax.nn.softmax(scores, axis=-1)
   else:
-    raise ValueError(f"combine must be 'joint' or 'moe', got {combine!r}")
+    probs = jax.nn.softmax(scores, axis=-1)
   weight = jnp.where(valid, value_scale.astype(jnp.float32), 0.0)[:, :, None, None, :, None]
   out = jnp.einsum("blkgst,blstkd->blkgd", probs * weight, vg.astype(jnp.float32),
                    preferred_element_type=jnp.float32)
   out = out.reshape(b, l, h, dh)
   if return_lse:
-    if combine != "joint":
-      raise ValueError("return_lse is defined for combine='joint' only")
     return out, lse.reshape(b, l, h)
   return out

@@ -47,7 +47,7 @@ import json
 import math
 import sys
 
-from kernels_pallas.routed_chapter_attention import api, dispatch, pallas, xla
+from kernels_pallas.routed_chapter_attention import contract, dispatch, pallas, xla
 
 DEVICES = {  # name -> (bf16 dense FLOP/s, HBM bytes/s)
     "tpu_v5p": (459e12, 2.76e12),
@@ -420,7 +420,7 @@ def main(argv=None):
     parser.add_argument(f"--{field.name}", type=int, default=getattr(defaults, field.name))
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--param_dtype", default="float32", choices=("bfloat16", "float32"))
-  parser.add_argument("--combine", default="joint", choices=api.COMBINES)
+  parser.add_argument("--combine", default="joint", choices=contract.COMBINES)
   parser.add_argument("--tiles", default="expected", choices=("expected", "bound"))
   parser.add_argument("--table", action="store_true", help="also print a markdown table")
   parser.add_argument("--stages", default="", help="with --table: comma-separated variants to break down")

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.routed_chapter_attention import dispatch
+from kernels_pallas.routed_chapter_attention.contract import NEG_INF, check_combine
 
-NEG_INF = -1e30  # log-sum-exp of a token whose slots are all empty (finite, so LSE merges stay NaN-free)
 DEFAULT_BLOCK_PAIRS = 32  # rows (pairs of one chapter) per tile
 CHUNK_BYTES = 1 << 19  # a chunk's float32 [tiles, H, block_pairs, max(T, dh)] row buffer stays <= this
 
@@ -59,17 +59,14 @@ class _Config(NamedTuple):
 
 def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *, block_pairs=None,
                              chunk_tiles=None, return_lse=False):
-  """See `routed_chapter_attention.api` for the contract. Returns float32 [B, L, H, dh].
+  """See `contract`. Returns float32 [B, L, H, dh].
 
   return_lse (joint only): also return the float32 [B, L, H] log-sum-exp of the joint logits (NEG_INF for a
   token whose slots are all empty), differentiable, for callers that merge partial results across devices.
   block_pairs: rows per tile (DEFAULT_BLOCK_PAIRS); chunk_tiles: tiles per chunk (`chunk_tiles_for`).
   Ids outside [-1, C) read nothing, like -1 (`dispatch.valid_slots`).
   """
-  if combine not in ("joint", "moe"):
-    raise ValueError(f"combine must be 'joint' or 'moe', got {combine!r}")
-  if return_lse and combine != "joint":
-    raise ValueError("return_lse is defined for combine='joint' only")
+  check_combine(combine, return_lse)
   for name, value in (("block_pairs", block_pairs), ("chunk_tiles", chunk_tiles)):
     if value is not None and value < 1:
       raise ValueError(f"{name} must be positive, got {value}")

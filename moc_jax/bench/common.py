@@ -1,7 +1,7 @@
 """The harness every benchmark shares, so they all time the same thing: the production train step.
 
-`Trainer` builds the state with `train.loop.build_state` on a one-device mesh and jits
-`train.loop.jit_train_step`, the training loop's own jitted step (shardings, donated state), on a fixed
+`Trainer` builds the state with `state.build_state` on a one-device mesh and jits
+`train.step.jit_train_step`, the training loop's own jitted step (shardings, donated state), on a fixed
 synthetic batch. Timings block on every call, drop warm-up calls, and report medians (robust to
 background load; the 1-minute load average is recorded with every result).
 
@@ -29,15 +29,16 @@ from flax import nnx
 
 import moc_jax
 from moc_jax import flops, sharding
-from moc_jax.bench import cpu_peak
 from moc_jax.losses import lm_loss, next_token_ce
-from moc_jax.train import loop
+from moc_jax.state import build_state
+from moc_jax.train.peaks import cpu_model
+from moc_jax.train.step import jit_train_step
 
 
 def environment() -> dict:
   d = jax.devices()[0]
   return {"device_kind": d.device_kind, "platform": d.platform, "devices": jax.device_count(),
-          "jax": jax.__version__, "cores": os.cpu_count(), "cpu": cpu_peak.cpu_model(),
+          "jax": jax.__version__, "cores": os.cpu_count(), "cpu": cpu_model(),
           "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -128,9 +129,9 @@ class Trainer:
   def __init__(self, config, seed: int = 0):
     self.config = config
     mesh = single_device_mesh(config)
-    self.graphdef, self.tx, _, shardings, init_fn, _ = loop.build_state(config, mesh)
+    self.graphdef, self.tx, _, shardings, init_fn, _ = build_state(config, mesh)
     batch_sharding = sharding.data_sharding(config, mesh)
-    step = loop.jit_train_step(self.graphdef, self.tx, config, shardings, batch_sharding)
+    step = jit_train_step(self.graphdef, self.tx, config, shardings, batch_sharding)
     self.state = init_fn()
     self.batch = jax.device_put(synthetic_batch(config, seed), batch_sharding)
     t0 = time.perf_counter()

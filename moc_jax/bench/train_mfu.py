@@ -19,7 +19,8 @@ import argparse
 import jax
 
 from moc_jax import flops
-from moc_jax.bench import common, cpu_peak, peaks
+from moc_jax.bench import common
+from moc_jax.train import peaks
 
 GOAL = 0.5
 PEAK_SIZES = (1024, 2048)
@@ -27,7 +28,7 @@ PEAK_SIZES = (1024, 2048)
 
 def device_peak(dtype, peak_sizes):
   if jax.devices()[0].platform == "cpu":
-    return cpu_peak.measure(dtype, sizes=peak_sizes)["flops_per_s"], "cpu_peak.measure in this process"
+    return peaks.measure(dtype, sizes=peak_sizes)["flops_per_s"], "peaks.measure in this process"
   return peaks.device_peak_flops(dtype)
 
 

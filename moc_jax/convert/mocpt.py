@@ -1,7 +1,6 @@
-"""MoC-PT (the authors' PyTorch code) -> moc_jax: config fields and state_dict tensors.
+"""MoC-PT (the authors' PyTorch code) -> moc_jax: state_dict tensors (their configs: convert/mocpt_config.py).
 
-`config_from_mocpt` maps their `model:` / `memory:` sections (reference_spec.md §2) onto our config and
-refuses what we do not implement (naming the field). `param_map` lists, for every MoC-PT tensor, where it
+`param_map` lists, for every MoC-PT tensor, where it
 lives in our parameter tree and how its layout differs; loading and gradient comparison both use it.
 
 `python -m moc_jax.convert.mocpt --state_dict model.pt --config their.yaml --out DIR [--step 0]` turns a
@@ -21,86 +20,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx, traverse_util
 
-from moc_jax.config import REPO_ROOT, ConfigError, bank_ids, layer_plan, memory_layers, validate
-
-
-def _base_config():
-  sys.path.insert(0, os.path.join(REPO_ROOT, "configs"))
-  import common  # configs are code; the base holds every field
-  return common.base_config()
-
-
-_UNSUPPORTED = {  # (section, field): (value(s) we support, why)
-    ("model", "use_rope"): ((True,), "only RoPE models are implemented"),
-    ("model", "hidden_activation"): (("swiglu",), "only SwiGLU is implemented"),
-    ("model", "use_rms_norm"): ((True,), "only RMSNorm is implemented"),
-    ("model", "tie_embeddings"): ((True,), "only tied embeddings are implemented"),
-    ("model", "base_model_name"): ((None,), "adapter mode on a pretrained HF model is not implemented"),
-    ("memory", "use_low_rank_memory"): ((False,), "low-rank banks are not implemented"),
-    ("memory", "use_low_rank_projections"): ((False,), "low-rank projections are not implemented"),
-    ("memory", "quantize_memory"): ((False,), "bank quantisation is not implemented"),
-    ("memory", "use_lora"): ((False,), "LoRA is adapter-mode only"),
-    ("memory", "use_chapters"): ((True,), "un-chaptered banks are not implemented (use 1 shared chapter)"),
-    ("model", "dropout"): ((0, 0.0), "dropout is not implemented (every MoC-PT run used 0)"),
-    ("model", "attention_dropout"): ((0, 0.0), "attention dropout is not implemented"),
-    ("memory", "memory_dropout"): ((None, 0, 0.0), "memory dropout is not implemented"),
-}
-
-
-def config_from_mocpt(model_cfg: dict, memory_cfg: dict, compute_dtype: str = "bfloat16"):
-  """Our validated config equivalent to MoC-PT's effective `model` and `memory` sections."""
-  for (section, field), (ok, why) in _UNSUPPORTED.items():
-    value = (model_cfg if section == "model" else memory_cfg).get(field, ok[0])
-    if value not in ok:
-      raise ConfigError(f"MoC-PT {section}.{field}={value!r}: {why}")
-  mc, mm = model_cfg, memory_cfg
-  train, infer = (mm.get(f"routing_strategy_{phase}", "sequence") for phase in ("train", "inference"))
-  # rolling / hybrid are KV-cache strategies: without a cache MoC-PT routes them as `sequence`
-  cache_only = infer in ("rolling", "hybrid") and train == "sequence"
-  if train not in ("sequence", "token") or (infer != train and not cache_only):
-    raise ConfigError(f"MoC-PT memory.routing_strategy_train={train!r}, _inference={infer!r}: a forward routes one "
-                      "way here — set both to 'sequence' or both to 'token' (inference 'rolling' or 'hybrid' "
-                      "with train 'sequence' is cached decoding: memory.decode_routing)")
-  c = _base_config()
-  heads = mc["num_heads"]
-  kv_heads = mc.get("num_kv_heads") or heads
-  c.model.update(
-      vocab_size=mc["vocab_size"], d_model=mc["hidden_dim"], num_layers=mc["num_layers"], num_heads=heads,
-      num_kv_heads=kv_heads, mlp_dim=mc["intermediate_dim"],
-      max_seq_len=mc.get("max_position_embeddings") or mc.get("max_seq_len", 8192),
-      rope_theta=float(mc["rope_theta"]), norm_eps=float(mc["norm_eps"]),
-      init_std=mc["initializer_range"],
-      attn_out_init_std=mc.get("self_attn_wo_init_std") or mc["initializer_range"],
-      mlp_out_init_std=mc.get("mlp_down_proj_init_std") or mc["initializer_range"],
-      compute_dtype=compute_dtype)
-  c.data.seq_len = c.model.max_seq_len  # MoC-PT's training length lives in its `training:` section
-  enabled = not mm.get("vanilla_mode", False) and mm.get("use_memory_adapter", True)
-  c.memory.enabled = bool(enabled)
-  if not enabled:
-    c.memory.placement = "none"
-    validate(c)
-    return c
-  chapters, shared = mm["num_chapters"], mm.get("num_shared_chapters", 0)
-  norm = mm.get("shared_routed_norm_type", "rms") if mm.get("normalize_shared_routed_before_mixing") else "none"
-  c.memory.update(
-      num_tokens=mm["num_memory_tokens"], num_chapters=chapters, num_shared=shared,
-      top_k=min(mm["top_k_chapters"], chapters - shared),  # MoC-PT selects min(top_k, C - s)
-      routed_scaling_factor=float(mm.get("routed_scaling_factor", 1.0)),
-      num_heads=mm.get("memory_num_heads") or heads,
-      num_kv_heads=mm.get("memory_num_kv_heads") or kv_heads,
-      placement=mm["memory_layer_placement"], placement_k=mm.get("memory_layer_k", 5),
-      placement_n=mm.get("memory_layer_n", 3), layer_indices=tuple(mm.get("memory_layer_indices") or ()),
-      sharing=mm.get("memory_sharing", "shared"), sharing_k=mm.get("memory_sharing_k", 2),
-      block_variant=mm.get("memory_block_variant", "A"), token_norm=norm,
-      token_norm_eps=float(mm.get("shared_routed_norm_eps", 1e-6)), routing=train,
-      decode_routing=infer if cache_only else "auto", routing_window=int(mm.get("routing_window_size", 128)),
-      init_std=mm.get("memory_init_std", 0.02), wo_init_zero=mm.get("wo_init_zero", True),
-      load_balance_coef=mm["load_balance_coefficient"] if mm.get("use_load_balance_loss", True) else 0.0,
-      z_loss_coef=mm["z_loss_coefficient"] if mm.get("use_z_loss", False) else 0.0,
-      mse_aux_coef=mm["auxiliary_loss_coefficient"] if mm.get("use_auxiliary_loss", False) else 0.0)
-  c.memory.dim = mm.get("memory_dim")
-  validate(c)
-  return c
+from moc_jax import cli
+from moc_jax.config import bank_ids, layer_plan, memory_layers
+from moc_jax.convert.mocpt_config import load_mocpt_config
+from moc_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,17 +224,6 @@ def _read_torch(path):
           else v.detach().numpy() for k, v in obj.items()}
 
 
-def load_mocpt_config(path: str):
-  """Our locked config for a MoC-PT YAML (`model`, `memory` and optionally `training` sections; their
-  dataclass defaults fill the rest) or a JSON with the same sections: configs/mocpt.py reads both (as
-  `PATH,import`: a checkpoint's `training.num_epochs` is not an error), so compute is bf16 unless
-  `training.mixed_precision` says otherwise, as MoC-PT trains."""
-  from moc_jax.config import load_config
-  if not os.path.isfile(path):
-    raise ConfigError(f"--config {path}: no such file")
-  return load_config(f"{os.path.join(REPO_ROOT, 'configs', 'mocpt.py')}:{os.path.abspath(path)},import")
-
-
 def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   """Writes `out`/config.json and the Orbax item `params` at `step` under `out`/checkpoints/, as
   training writes them (the user view: exactly num_chapters chapters). The train-only items are absent:
@@ -340,6 +252,7 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   return os.path.join(directory, str(step))
 
 
+@cli.exit_on_error
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m moc_jax.convert.mocpt",
@@ -353,12 +266,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.step < 0:
     parser.error("--step must be >= 0")
-  try:
-    config = load_mocpt_config(args.config)
-    path = import_checkpoint(read_state_dict(args.state_dict), config, args.out, args.step)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  config = load_mocpt_config(args.config)
+  path = import_checkpoint(read_state_dict(args.state_dict), config, args.out, args.step)
   spec = f"configs/mocpt.py:{args.config}"
   print(f"wrote {os.path.join(args.out, 'config.json')} and {path}\n"
         f"evaluate: python -m moc_jax.eval --workdir={args.out}  (or python -m moc_jax.main --config={spec} "

@@ -1,4 +1,4 @@
-"""IFT chat rows -> (input_ids, labels) with loss only on assistant content (MoC-PT, reference_spec §4.4).
+"""IFT chat rows -> (input_ids, labels) with loss only on assistant content (MoC-PT, docs/mocpt_semantics.md).
 
 Formats:
   plain  — MoC-PT's actual training format (the fallback path of its `data.py`):
@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 IGNORE = -100
-CHAT_FORMATS = ("plain", "chatml")
 
 
 def _valid_messages(row):

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from moc_jax.data import DataError
+from moc_jax.errors import DataError
 
 _SYLLABLES = ("ka", "lo", "ven", "dra", "mi", "tor", "sel", "bra", "ni", "quo", "ral", "fen", "zu", "mar", "tis",
               "ol", "ber", "cy", "dun", "el", "gra", "hal", "jo", "kel", "lis", "mor", "nat", "pel", "rin", "sa",

@@ -10,7 +10,7 @@ Batch format (numpy, per process, B = config.data.batch_size, L = config.data.se
   n_malformed     int32 []      malformed records skipped just before the documents that start in this batch
                                 (i.e. since the previous batch; the sum over batches is the total: add it up)
 Layouts:
-  pad_truncate  MoC-PT's layout (reference_spec §4.3): one document per row, truncated to L, right-padded, no
+  pad_truncate  MoC-PT's layout (docs/mocpt_semantics.md): one document per row, truncated to L, right-padded, no
                 BOS/EOS added, labels -100 on pads.
   pack          documents get a trailing EOS and are concatenated then split into rows of L (grain's
                 ConcatThenSplit: no padding in training). `segment` keeps boundaries: attention must stay within
@@ -28,25 +28,14 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
-from moc_jax.data import DataError
-from moc_jax.data.chat import CHAT_FORMATS, IGNORE
+from moc_jax.config.validate import validate_data
+from moc_jax.errors import DataError
+from moc_jax.data.chat import IGNORE
 from moc_jax.data.sources import open_source
 from moc_jax.data.tokenizers import get_tokenizer
 
-LAYOUTS = ("pack", "pad_truncate")
-PACK_BOUNDARIES = ("segment", "eos")
 _SEQUENCE_FIELDS = ("input_ids", "labels", "n_malformed")
 _DOCS_PER_CHUNK = 8
-
-
-def check_config(c) -> None:
-  """Rejects an invalid `config.data` with one DataError naming the field."""
-  for field, allowed in (("layout", LAYOUTS), ("pack_boundaries", PACK_BOUNDARIES), ("chat_format", CHAT_FORMATS)):
-    if c[field] not in allowed:
-      raise DataError(f"config.data.{field}: unknown value {c[field]!r}; use one of {list(allowed)}")
-  for field, minimum in (("seq_len", 2), ("batch_size", 1), ("num_threads", 0), ("prefetch", 0), ("seed", 0)):
-    if not isinstance(c[field], int) or isinstance(c[field], bool) or c[field] < minimum:
-      raise DataError(f"config.data.{field}: must be an integer >= {minimum}, got {c[field]!r}")
 
 
 def _shuffle_seed(seed: int) -> int:
@@ -207,7 +196,7 @@ def make_train_iterator(config_data, *, process_index: int = 0, process_count: i
   so processes see disjoint records. Save/restore with `get_state`/`set_state` or Orbax's
   `grain.checkpoint.CheckpointSave/CheckpointRestore`.
   """
-  check_config(config_data)
+  validate_data(config_data)
   if not 0 <= process_index < process_count:
     raise DataError(f"process_index {process_index} is outside [0, {process_count})")
   tokenizer = get_tokenizer(config_data.tokenizer)
@@ -238,7 +227,7 @@ def make_eval_batches(config_data, split: str = "validation", max_batches: int |
   every process: shard rows yourself if needed. Malformed records after the last valid one are added to the
   last batch's n_malformed. Errors (missing split, bad config) are raised here, not on the first `next`.
   """
-  check_config(config_data)
+  validate_data(config_data)
   tokenizer = get_tokenizer(config_data.tokenizer)
   ds, per_pass = _elements(config_data, split, tokenizer, train=False)
   trailing = []

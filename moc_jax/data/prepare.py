@@ -18,11 +18,11 @@ import glob
 import json
 import os
 import re
-import sys
 
 import numpy as np
 
-from moc_jax.data import DataError
+from moc_jax import cli
+from moc_jax.errors import DataError
 from moc_jax.data.sources import MANIFEST, decode_text, read_manifest
 from moc_jax.data.tokenizers import get_tokenizer
 
@@ -133,6 +133,7 @@ def prepare(inputs, output, tokenizer_spec, *, split="train", text_field="text",
   return entry
 
 
+@cli.exit_on_error
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m moc_jax.data.prepare", description=__doc__.split("\n")[0])
   parser.add_argument("--input", nargs="+", required=True, help="files or globs (.txt, .jsonl, .parquet)")
@@ -143,11 +144,8 @@ def main(argv=None):
   parser.add_argument("--shard_size", type=int, default=100_000, help="documents per shard")
   parser.add_argument("--txt_unit", choices=("paragraph", "file"), default="paragraph")
   args = parser.parse_args(argv)
-  try:
-    entry = prepare(args.input, args.output, args.tokenizer, split=args.split, text_field=args.text_field,
-                    shard_size=args.shard_size, txt_unit=args.txt_unit)
-  except DataError as e:
-    sys.exit(f"error: {e}")
+  entry = prepare(args.input, args.output, args.tokenizer, split=args.split, text_field=args.text_field,
+                  shard_size=args.shard_size, txt_unit=args.txt_unit)
   print(f"{args.output}: split {args.split!r}: {entry['documents']} documents, {entry['tokens']} tokens, "
         f"{entry['malformed']} malformed skipped, {len(entry['files'])} shard(s)")
 

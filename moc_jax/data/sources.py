@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from moc_jax.data import DataError
+from moc_jax.errors import DataError
 from moc_jax.data.chat import chat_example
 
 MANIFEST = "manifest.json"

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from moc_jax.data import DataError
+from moc_jax.errors import DataError
 
 Offsets = list[tuple[int, int]]
 

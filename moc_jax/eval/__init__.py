@@ -5,7 +5,7 @@ routing analysis (run.py; the command line in __main__.py).
 from __future__ import annotations
 
 from moc_jax.eval.probes import DOC_BUCKET_EDGES, HEAD_DOCS, ProbeEvaluator, recall_by_bucket, select_probes
-from moc_jax.eval.run import EvalOptions, evaluate, load_run_config, markdown_table
+from moc_jax.eval.run import EvalOptions, evaluate, markdown_table
 
-__all__ = ["DOC_BUCKET_EDGES", "EvalOptions", "HEAD_DOCS", "ProbeEvaluator", "evaluate", "load_run_config",
+__all__ = ["DOC_BUCKET_EDGES", "EvalOptions", "HEAD_DOCS", "ProbeEvaluator", "evaluate",
            "markdown_table", "recall_by_bucket", "select_probes"]

@@ -9,17 +9,15 @@ one message naming the file or field and the fix.
 """
 from __future__ import annotations
 
-import logging
-import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from moc_jax.config import define_overrides_flag, parse_flags
+from moc_jax import cli
+from moc_jax.config import base_config
+from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval.probes import DOC_BUCKET_EDGES
-from moc_jax.eval.run import base_config
 
-define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.data.data_dir=DIR or "
+cli.define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.data.data_dir=DIR or "
                       "--config.mesh.memory=4.")
 flags.DEFINE_string("workdir", None, "The training run's directory (config.json, checkpoints/).")
 flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
@@ -38,12 +36,11 @@ flags.DEFINE_bool("analyze_routing", True, "Chapter usage, entropy, stability an
 flags.DEFINE_string("ablate_chapters", None, "Zero these chapters of the bank and report the CE change: "
                     "comma-separated ids, or top:N (the N most used).")
 flags.DEFINE_enum("quantize_bank", None, ["int8", "int4"], "Also evaluate with the bank stored as int8 / int4 "
-                  "per-row absmax codes (moc_jax/quantize.py) and report the change against the float bank.")
+                  "per-row absmax codes (moc_jax/model/quantize.py) and report the change against the float bank.")
 FLAGS = flags.FLAGS
 
 
 def _pairs(entries, flag):
-  from moc_jax.data import DataError
   out = {}
   for entry in entries:
     name, sep, path = entry.partition(":")
@@ -54,7 +51,6 @@ def _pairs(entries, flag):
 
 
 def _options():
-  from moc_jax.config import ConfigError
   from moc_jax.eval.run import EvalOptions
   try:
     edges = tuple(sorted(int(e) for e in FLAGS.bucket_edges))
@@ -68,39 +64,22 @@ def _options():
                      ablate_chapters=FLAGS.ablate_chapters, quantize_bank=FLAGS.quantize_bank, out=FLAGS.out)
 
 
-def _use_fake_devices(n):
-  """`config.num_fake_devices`: a CPU with n devices (as moc_jax.main); before the first use of a backend."""
-  if n:
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", n)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.WARNING)  # library INFO chatter (orbax, tfds) off the console
-  import tensorflow_datasets as tfds
-  tfds.disable_progress_bar()
-  logging.getLogger("moc_jax").setLevel(logging.INFO)
-  from moc_jax.checkpoint import CheckpointError
-  from moc_jax.config import ConfigError, validate
-  from moc_jax.data import DataError
-  from moc_jax.eval.run import evaluate, load_run_config, markdown_table
-  try:
-    if not FLAGS.workdir:
-      raise ConfigError("--workdir=DIR is required: the directory of a training run")
-    options = _options()
-    config = load_run_config(FLAGS.workdir, config_flags.get_override_values(FLAGS["config"]))
-    _use_fake_devices(config.num_fake_devices)
-    validate(config)
-    config.lock()
-    print(markdown_table(evaluate(config, FLAGS.workdir, options)))
-  except (ConfigError, CheckpointError, DataError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  cli.quiet_libraries()
+  cli.quiet_datasets()
+  from moc_jax.config import load_run_config, validate
+  from moc_jax.eval.run import evaluate, markdown_table
+  if not FLAGS.workdir:
+    raise ConfigError("--workdir=DIR is required: the directory of a training run")
+  options = _options()
+  config = load_run_config(FLAGS.workdir, cli.override_values())
+  cli.use_fake_devices(config.num_fake_devices)
+  validate(config)
+  config.lock()
+  print(markdown_table(evaluate(config, FLAGS.workdir, options)))
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main)

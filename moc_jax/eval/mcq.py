@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 
-from moc_jax.data import DataError
+from moc_jax.errors import DataError
 from moc_jax.eval.scoring import continuation, make_rows, stderr
 
 SHOT_SEED = 1234  # lm-eval-harness's default few-shot seed

@@ -12,116 +12,20 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-from ml_collections import config_dict
 
-from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
 from moc_jax import sharding
-from moc_jax.config import REPO_ROOT, ConfigError, config_module, memory_layers
+from moc_jax.config import memory_layers
+from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
+from moc_jax.eval import routing as ra
+from moc_jax.eval.ce import CEEvaluator, split_batches
 from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes
-from moc_jax.eval.scoring import Scorer, everywhere, stderr
-from moc_jax.losses import forward, next_token_nll
+from moc_jax.eval.scoring import Scorer, stderr
+from moc_jax.model import quantize
+from moc_jax.state import build_state, restore_params
 
 log = logging.getLogger("moc_jax")
-
-
-# --- the run's config --------------------------------------------------------------------------------
-
-def base_config() -> config_dict.ConfigDict:
-  """configs/common.py's every-field defaults (the structure config.json is read into)."""
-  return config_module(os.path.join(REPO_ROOT, "configs", "common.py")).base_config()
-
-
-def _as_saved(value):
-  """JSON lists back to the tuples the config holds."""
-  return tuple(_as_saved(v) for v in value) if isinstance(value, list) else value
-
-
-def _merge(config, saved, path, prefix=""):
-  """Writes `saved` (a JSON object) into `config`; returns the dotted keys this version has no field for."""
-  ignored = []
-  for key, value in saved.items():
-    name = prefix + key
-    if key not in config:
-      ignored.append(name)
-    elif isinstance(config[key], config_dict.ConfigDict) and isinstance(value, dict):
-      ignored += _merge(config[key], value, path, name + ".")
-    else:
-      try:
-        config[key] = _as_saved(value)
-      except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: field {name}={value!r} does not fit this version's config ({e}); "
-                          f"override it with --config.{name}=...") from e
-  return ignored
-
-
-def load_run_config(workdir: str, overrides: dict | None = None) -> config_dict.ConfigDict:
-  """The run's config: workdir/config.json read into the base config, the mesh reset to this machine's
-  devices (data-parallel over all; a checkpoint restores onto any mesh), then dotted `overrides`.
-  Not validated: validate after choosing the devices (`num_fake_devices`)."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isdir(workdir):
-    raise ConfigError(f"--workdir {workdir!r} does not exist; pass the directory of a training run "
-                      "(it holds config.json and checkpoints/)")
-  if not os.path.isfile(path):
-    raise ConfigError(f"{path} not found: --workdir must be the directory a training run wrote (training "
-                      "saves its config there); for a checkpoint without it use `python -m moc_jax.main "
-                      "--mode=eval --config=... --workdir=...`")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ConfigError(f"{path} is not valid JSON ({e}); restore it from the run or use `python -m "
-                      "moc_jax.main --mode=eval --config=...`") from e
-  config = base_config()
-  ignored = _merge(config, saved, path)
-  if ignored:
-    log.warning("moc_jax: %s: ignored fields this version does not have: %s", path, ", ".join(ignored))
-  base = base_config()
-  config.mesh, config.num_fake_devices = base.mesh, base.num_fake_devices
-  try:
-    config.update_from_flattened_dict(dict(overrides or {}))
-  except (KeyError, AttributeError, TypeError) as e:
-    raise ConfigError(f"--config override: {e}") from e
-  return config
-
-
-# --- one split: CE and the routing decisions behind it ------------------------------------------------
-
-def split_batches(config, split: str) -> list[dict]:
-  """The split's global eval batches (the training evaluation's rows, `train.eval_batches` of them)."""
-  from moc_jax.train.loop import micro_batch_config
-  d = micro_batch_config(config)
-  d.batch_size = config.train.batch_size * config.train.grad_accum
-  return list(data_lib.make_eval_batches(d, split=split, max_batches=config.train.eval_batches))
-
-
-class SplitEvaluator:
-  """CE and perplexity over batches (as the training loop's validation), one jitted forward per batch
-  that also returns the routing decisions (aux `chapters`) for `on_routing`."""
-
-  def __init__(self, graphdef, p_shard, batch_sharding, batches):
-    self.batches, self.sharding = batches, batch_sharding
-
-    def step(params, batch):
-      logits, aux = forward(nnx.merge(graphdef, params), batch, train=False)
-      nll, count = next_token_nll(logits, batch["labels"])
-      return nll, count, (everywhere(aux["chapters"]) if "chapters" in aux else None)
-
-    self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
-
-  def __call__(self, params, on_routing=None) -> dict:
-    nll, count = 0.0, 0
-    for b in self.batches:
-      b = {k: v for k, v in b.items() if k != "n_malformed"}
-      s, c, chapters = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding,
-                                                                          lambda i, v=v: v[i]) for k, v in b.items()})
-      nll, count = nll + float(s), count + int(c)
-      if on_routing is not None and chapters is not None:
-        on_routing(np.asarray(chapters), b["attention_mask"])
-    ce = nll / max(count, 1)
-    return {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}
 
 
 # --- the whole evaluation ----------------------------------------------------------------------------
@@ -142,32 +46,21 @@ class EvalOptions:
   out: str | None = None                  # eval.json path (default workdir/eval.json); plots beside it
 
 
-def restore(workdir, layout, step=None):
-  """(params, step): parameters only, restored onto `layout`'s abstract sharded params (this mesh)."""
-  directory = ckpt_lib.checkpoint_dir(workdir)
-  if step is not None:
-    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-    if step not in steps:
-      raise ckpt_lib.CheckpointError(f"no checkpoint of step {step} under {directory}; saved steps: {steps} "
-                                     "(omit --step for the newest)")
-  return ckpt_lib.restore_params(workdir, layout.abstract["params"], step=step, padding=layout.padding)
-
-
 def _mcq_questions(o) -> dict:
   """name -> (format, path, questions) for `o.mcq`: every file read and checked before anything is compiled."""
   unknown = sorted(set(o.mcq_dev) - set(o.mcq))
   if unknown:
-    raise data_lib.DataError(f"--mcq_dev names {unknown} that --mcq does not; use the same name in both")
+    raise DataError(f"--mcq_dev names {unknown} that --mcq does not; use the same name in both")
   out = {}
   for name, path in o.mcq.items():
     fmt, items = mcq.load(path)
     dev = []
     if o.shots:
       if name not in o.mcq_dev:
-        raise data_lib.DataError(f"--shots {o.shots} needs k-shot examples for {name!r}: add --mcq_dev={name}:PATH")
+        raise DataError(f"--shots {o.shots} needs k-shot examples for {name!r}: add --mcq_dev={name}:PATH")
       dev_fmt, dev = mcq.load(o.mcq_dev[name])
       if dev_fmt != fmt:
-        raise data_lib.DataError(f"--mcq_dev {o.mcq_dev[name]} is {dev_fmt}, but {path} is {fmt}: give the "
+        raise DataError(f"--mcq_dev {o.mcq_dev[name]} is {dev_fmt}, but {path} is {fmt}: give the "
                                  "same benchmark's dev file")
     out[name] = (fmt, path, mcq.with_shots(items[:o.mcq_limit] if o.mcq_limit else items, dev, o.shots))
   return out
@@ -176,8 +69,6 @@ def _mcq_questions(o) -> dict:
 def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   """Evaluates `workdir`'s checkpoint under `config` (validated) on this machine's mesh; writes eval.json
   and the routing plots (process 0) and returns the report."""
-  from moc_jax.train.loop import build_state
-  from moc_jax import routing_analysis as ra
   o = options or EvalOptions()
   questions = _mcq_questions(o)  # bad input fails here, before anything is restored or compiled
   ablation = ra.parse_ablation(o.ablate_chapters, config) if o.ablate_chapters else None
@@ -188,13 +79,13 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = build_state(config, mesh)
-    params, step = restore(workdir, layout, o.step)
+    params, step = restore_params(workdir, layout, o.step)
     graphdef = layout.graphdef
     report = {"workdir": os.path.abspath(workdir), "step": step, "config": config.name,
               "devices": mesh.size, "mesh": dict(mesh.shape), "split": o.split}
     usage = ra.Usage(config) if memory_layers(config) and (o.analyze_routing or ablation) else None
-    split_eval = SplitEvaluator(graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
-                                split_batches(config, o.split))
+    split_eval = CEEvaluator(graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
+                             split_batches(config, o.split), routing=True)
     report.update(split_eval(params, usage.add if usage else None))
     probes = None
     if config.data.name == "moc_facts":
@@ -243,12 +134,11 @@ def _fact_recall(evaluator, params, edges) -> dict:
 
 
 def _quantized(config, mesh, graphdef, params, split_eval, report, bits, probes, tokenizer, edges) -> dict:
-  """CE (and fact recall) with the bank stored as int8 / int4 codes (moc_jax/quantize.py), against the float
+  """CE (and fact recall) with the bank stored as int8 / int4 codes (moc_jax/model/quantize.py), against the float
   bank's figures in `report`: the same batches and probes, the codes sharded like the bank."""
-  from moc_jax import quantize
   q_graphdef, q_state = nnx.split(quantize.quantize_model(nnx.merge(graphdef, params), bits))
-  q_eval = SplitEvaluator(q_graphdef, sharding.logical_shardings(q_state, mesh, sharding.rules_of(config)),
-                          split_eval.sharding, split_eval.batches)
+  q_eval = CEEvaluator(q_graphdef, sharding.logical_shardings(q_state, mesh, sharding.rules_of(config)),
+                       split_eval.sharding, split_eval.batches, routing=True)
   banks, _, t, d = params["bank"]["memory"][...].shape  # chapters: the user view's, not this mesh's padding
   rows = banks * config.memory.num_chapters * t
   out = {"bits": bits, **q_eval(q_state), "bank_bytes": rows * (d * int(bits[3:]) // 8 + 4),

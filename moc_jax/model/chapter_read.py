@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.routed_chapter_attention import routed_chapter_attention
-from moc_jax.quantize import QuantizedRows, dequantize
+from moc_jax.model.quantize import QuantizedRows, dequantize
 from moc_jax.sharding import current, logical_spec
 
 

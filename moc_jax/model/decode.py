@@ -39,7 +39,7 @@ def init_cache(model, batch: int, max_len: int) -> dict:
 def step(model, cache: dict, ids, valid=None):
   """Runs ids [B, L] (`valid` [B, L] marks real tokens; default all) at the cache's next L slots.
 
-  Returns (logits [B, L, V] float32, updated cache). The caller keeps index + L <= max_len.
+  Returns (updated cache, logits [B, L, V] float32). The caller keeps index + L <= max_len.
   """
   valid = jnp.ones(ids.shape, bool) if valid is None else valid.astype(bool)
   index, slots = cache["index"], cache["valid"].shape[1]
@@ -48,7 +48,7 @@ def step(model, cache: dict, ids, valid=None):
   positions = cache["position"][:, None] + counts - valid
   causal = jnp.arange(slots)[None, :] <= index + jnp.arange(ids.shape[1])[:, None]  # [L, M]
   mask = seen[:, None, None, :] & causal[None, None]
-  logits, layers = model.forward_cached(ids, positions, mask, valid, cache["layers"], index)
-  return logits, {"index": index + ids.shape[1], "valid": seen, "position": cache["position"] + counts[:, -1],
-                  "layers": layers}
+  layers, logits = model.forward_cached(cache["layers"], ids, positions, mask, valid, index)
+  return {"index": index + ids.shape[1], "valid": seen, "position": cache["position"] + counts[:, -1],
+          "layers": layers}, logits
 

@@ -86,20 +86,24 @@ class SelfAttention(nnx.Module):
     self.v = dense(m.d_model, kv, m.init_std, ("embed", "kv"), dt, rngs)
     self.o = dense(m.d_model, m.d_model, m.attn_out_init_std, ("heads", "embed"), dt, rngs)
 
-  def __call__(self, x, positions, mask, cache=None, index=None):
-    """x [B, L, d]. With `cache` (cached decoding: keys and values [B, M, Hkv, dh] of M slots) x's keys
-    and values are written at slots [index, index+L), x attends over all M slots (`mask` [B, 1, L, M]
-    says which) and the result is (out, updated cache)."""
+  def __call__(self, x, positions, mask):
+    """x [B, L, d] -> [B, L, d]; `mask` [B|1, 1, L, L] says which positions each one attends to."""
+    q, k, v = self._qkv(x, positions)
+    return self.o(attention(q, k, v, mask).astype(x.dtype))
+
+  def decode(self, cache, x, positions, mask, index):
+    """Cached decoding -> (cache, out). `cache` holds keys and values [B, M, Hkv, dh] of M slots; x's are
+    written at slots [index, index+L) and x attends over all M slots (`mask` [B, 1, L, M] says which)."""
+    q, k, v = self._qkv(x, positions)
+    k, v = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1) for c, new in zip(cache, (k, v)))
+    return (k, v), self.o(attention(q, k, v, mask).astype(x.dtype))
+
+  def _qkv(self, x, positions):
     b, l, _ = x.shape
     q = self.q(x).reshape(b, l, self.num_heads, self.head_dim)
     k = self.k(x).reshape(b, l, self.num_kv_heads, self.head_dim)
     v = self.v(x).reshape(b, l, self.num_kv_heads, self.head_dim)
-    q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
-    if cache is not None:
-      k, v = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1)
-              for c, new in zip(cache, (k, v)))
-    out = self.o(attention(q, k, v, mask).astype(x.dtype))
-    return out if cache is None else (out, (k, v))
+    return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
 
 class SwiGLU(nnx.Module):

@@ -1,5 +1,5 @@
-"""The memory read: chaptered bank, router (top-k + aux losses), chapter mixing and memory
-cross-attention (reference_spec.md §1.3–§1.7, §2.2, §3).
+"""The memory read: the chaptered bank, chapter mixing and memory cross-attention (routing decisions:
+routing.py). MoC-PT's semantics: docs/mocpt_semantics.md.
 
 `memory.routing` picks what a routing decision sees:
 * `sequence` — MoC-PT's paper mode, exact: one decision per row on the mean of every position (pads
@@ -24,20 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
-from moc_jax.quantize import dequantize
+from moc_jax.model.quantize import dequantize
+from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, mix_weights, per_position,
+                                   resolve_decode_routing, route, router_losses, routing_input, with_shared)
 from moc_jax.sharding import current
-
-CAUSAL_ROUTINGS = ("token", "prefix", "chunk")
-
-
-def resolve_decode_routing(mem):
-  """`memory.decode_routing` with `auto` resolved: the training routing when it is causal (cached
-  decoding then equals a full forward), `sequence` (routed once on the prompt) otherwise."""
-  if mem.decode_routing != "auto":
-    return mem.decode_routing
-  return mem.routing if mem.routing in CAUSAL_ROUTINGS else "sequence"
 
 
 class ChapterBank(nnx.Module):
@@ -63,56 +56,8 @@ class ChapterBank(nnx.Module):
     return self.memory[...]
 
 
-def route(logits, num_shared, top_k):
-  """MoC-PT routing on router logits [..., C] (float32), one decision per leading index.
-
-  Returns (probs [...,C] over all chapters, routed ids [...,k] in chapter space sorted by descending
-  probability, routed weights [...,k] = softmax restricted to the selected set).
-  MoC-PT renormalises probabilities twice (drop shared, keep top-k); that equals top-k on the routed
-  logits and a softmax over the selected ones, which we compute directly: it stays finite when the
-  shared chapter takes all the probability mass (the load-balance loss's degenerate minimum), where
-  the renormalisation divides 0 by 0.
-  """
-  logits = logits.astype(jnp.float32)
-  top_logits, top_idx = jax.lax.top_k(logits[..., num_shared:], top_k)
-  return jax.nn.softmax(logits, axis=-1), top_idx + num_shared, jax.nn.softmax(top_logits, axis=-1)
-
-
-def mix_weights(routed_weights, num_shared, scaling):
-  """Chapter weights for [shared..., routed...]: raw [1,...,f*w...] divided by their sum (§1.5)."""
-  ones = jnp.ones(routed_weights.shape[:-1] + (num_shared,), routed_weights.dtype)
-  raw = jnp.concatenate([ones, scaling * routed_weights], axis=-1)
-  return raw / jnp.sum(raw, axis=-1, keepdims=True)
-
-
-def with_shared(routed_ids, num_shared):
-  """Chapter list [shared 0..s-1, routed...] for every decision."""
-  shared = jnp.arange(num_shared, dtype=routed_ids.dtype)
-  return jnp.concatenate([jnp.broadcast_to(shared, routed_ids.shape[:-1] + (num_shared,)), routed_ids], -1)
-
-
-def router_losses(logits, probs, routed_ids):
-  """Per-layer router statistics (§3): Switch load-balance (quirks kept), z-loss, MSE aux, entropy.
-
-  Every routing decision (a row, a position or a chunk) is one sample. f counts routed selections
-  only, so shared chapters have f = 0 while P still includes them.
-  """
-  c = probs.shape[-1]
-  logits, probs, routed_ids = (x.reshape(-1, x.shape[-1]) for x in (logits, probs, routed_ids))
-  # selections per chapter / decisions, counted without a [decisions, k, C] one-hot
-  f = jnp.zeros((c,), jnp.float32).at[routed_ids.reshape(-1)].add(1.0) / routed_ids.shape[0]
-  p_mean = jnp.mean(probs, axis=0)
-  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-  return {
-      "load_balance": c * jnp.sum(f * p_mean),
-      "z_loss": jnp.mean(jnp.square(lse)),
-      "mse_aux": jnp.mean(jnp.square(jnp.mean(jnp.square(probs), axis=0) - 1.0 / c)),
-      "entropy": jnp.mean(-jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1)),
-  }
-
-
 def normalize_tokens(x, kind, eps):
-  """Parameter-free per-token normalisation of the selected memory tokens (§1.6 step 2)."""
+  """Parameter-free per-token normalisation of the selected memory tokens (MoC-PT's memory preprocessing)."""
   if kind == "rms":
     return rms_normalize(x, eps)
   if kind == "layernorm":
@@ -120,79 +65,6 @@ def normalize_tokens(x, kind, eps):
     mu = jnp.mean(x, axis=-1, keepdims=True)
     return (x - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True) + eps)
   return x
-
-
-def routing_input(h, valid, routing, chunk):
-  """What each routing decision sees, from the layer input h [B, L, d] and non-pad mask valid [B, L]:
-  sequence [B, d] (plain mean, pads included, as MoC-PT), token [B, L, d] (h itself), prefix [B, L, d]
-  (masked mean of positions <= t), chunk [B, ceil(L/chunk), d] (masked mean before the chunk; zeros
-  for chunk 0, so the router sees its bias alone)."""
-  h = h.astype(jnp.float32)
-  if routing == "sequence":
-    return jnp.mean(h, axis=1)
-  if routing == "token":
-    return h
-  w = jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
-  total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
-  if routing == "chunk":  # sums up to the position before each chunk start
-    before = jnp.arange(0, h.shape[1], chunk) - 1
-    total = jnp.where(before[None, :, None] >= 0, jnp.take(total, jnp.maximum(before, 0), axis=1), 0.0)
-    count = jnp.where(before[None, :, None] >= 0, jnp.take(count, jnp.maximum(before, 0), axis=1), 0.0)
-  return total / jnp.maximum(count, 1.0)
-
-
-def per_position(x, routing, chunk, length):
-  """Decisions [B, D, ...] -> [B, length, ...]: chunk decisions repeat over their chunk's positions
-  (decisions already made per position, as in cached decoding, pass through)."""
-  if routing == "chunk" and x.shape[1] != length:
-    return jnp.repeat(x, chunk, axis=1)[:, :length]
-  return x
-
-
-def masked_mean(x, valid):
-  """Mean over axis 1 of x [B, L, d] at the positions valid [B, L] marks (zeros where none)."""
-  w = valid.astype(jnp.float32)[..., None]
-  return jnp.sum(x.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
-
-
-def cached_routing_input(h, valid, state, routing, chunk, index):
-  """`routing_input` of the positions at slots index, index+1, ... of a row whose earlier layer inputs
-  `state` summarises ({} before the first call): per-position routing inputs [B, L, d] and the new
-  state. prefix keeps the running masked sum and count of the inputs; chunk also keeps them as of the
-  current chunk's start; token keeps nothing."""
-  h = h.astype(jnp.float32)
-  if routing == "token":
-    return h, {}
-  b, l, d = h.shape
-  w = valid.astype(jnp.float32)
-  total0, count0 = state.get("total", jnp.zeros((b, d))), state.get("count", jnp.zeros((b,)))
-  # running sums over the slots before index + j, j = 0..L
-  total = jnp.concatenate([total0[:, None], total0[:, None] + jnp.cumsum(h * w[..., None], axis=1)], axis=1)
-  count = jnp.concatenate([count0[:, None], count0[:, None] + jnp.cumsum(w, axis=1)], axis=1)
-  new = {"total": total[:, -1], "count": count[:, -1]}
-  if routing == "prefix":
-    return total[:, 1:] / jnp.maximum(count[:, 1:, None], 1.0), new
-  # chunk: the sums before each slot's chunk start; a chunk that began before this call uses the saved ones
-  start = (index + jnp.arange(l + 1)) // chunk * chunk - index
-  inside = start >= 0
-  total = jnp.where(inside[None, :, None], jnp.take(total, jnp.maximum(start, 0), axis=1),
-                    state.get("chunk_total", jnp.zeros((b, d)))[:, None])
-  count = jnp.where(inside[None, :], jnp.take(count, jnp.maximum(start, 0), axis=1),
-                    state.get("chunk_count", jnp.zeros((b,)))[:, None])
-  new.update(chunk_total=total[:, -1], chunk_count=count[:, -1])
-  return total[:, :-1] / jnp.maximum(count[:, :-1, None], 1.0), new
-
-
-class Router(nnx.Module):
-  """One linear router per memory layer over all C chapters (bias included, as MoC-PT)."""
-
-  def __init__(self, cfg, rngs):
-    self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapter_logits"),
-                      jnp.dtype(cfg.model.compute_dtype), rngs, bias=True)
-
-  def __call__(self, pooled):
-    """Logits [..., C] (float32) of routing inputs [..., d] (see `routing_input`)."""
-    return self.proj(pooled).astype(jnp.float32)
 
 
 class MemoryCrossAttention(nnx.Module):
@@ -279,9 +151,9 @@ class MemoryLayer(nnx.Module):
       return self.attn(self.norm(h), tokens), stats
     return self.read_per_position(h, pooled, bank, self.routing)
 
-  def decode(self, h, route_input, bank, valid, state, index):
+  def decode(self, state, h, route_input, bank, valid, index):
     """Cached decoding of L new positions at slots [index, index+L) (the prompt, then one token at a
-    time) -> (out, new state). `state` summarises this layer's earlier inputs ({} before the prompt);
+    time) -> (new state, out). `state` summarises this layer's earlier inputs ({} before the prompt);
     what it holds follows `memory.decode_routing`:
     * token / prefix / chunk: the training modes position by position (`cached_routing_input`), so
       cached decoding gives the logits of a full forward.
@@ -294,23 +166,16 @@ class MemoryLayer(nnx.Module):
     """
     routing = self.decode_routing
     if routing in CAUSAL_ROUTINGS:
-      pooled, state = cached_routing_input(route_input, valid, state, routing, self.chunk, index)
-      return self.read_per_position(h, pooled, bank, routing)[0], state
+      state, pooled = cached_routing_input(state, route_input, valid, routing, self.chunk, index)
+      return state, self.read_per_position(h, pooled, bank, routing)[0]
     if routing == "sequence" and state:
-      return self.attn.attend(self.norm(h), state["k"], state["v"]), state
-    if routing == "sequence":
-      pooled = masked_mean(route_input, valid)
-    else:
-      b, _, d = route_input.shape
-      window = jnp.concatenate([state.get("window", jnp.zeros((b, self.window, d))),
-                                route_input.astype(jnp.float32)], axis=1)[:, -self.window:]
-      seen = jnp.concatenate([state.get("seen", jnp.zeros((b, self.window), bool)), valid], axis=1)[:, -self.window:]
-      first_hybrid = routing == "hybrid" and not state
-      pooled = masked_mean(route_input, valid) if first_hybrid else masked_mean(window, seen)
+      return state, self.attn.attend(self.norm(h), state["k"], state["v"])
+    state, pooled = cached_decision_input(state, route_input, valid, routing, self.window)
     tokens, _ = self.select(pooled, bank)
     k, v = self.attn.keys_values(tokens)
-    new = {"k": k, "v": v} if routing == "sequence" else {"window": window, "seen": seen}
-    return self.attn.attend(self.norm(h), k, v), new
+    if routing == "sequence":  # decided once: later calls read these chapters' keys and values
+      state = {"k": k, "v": v}
+    return state, self.attn.attend(self.norm(h), k, v)
 
   def keys_values_in_use(self, bank, ids):
     """Keys and values [U, T, Hkv, dh] of the chapters `ids` may name, and `ids` re-indexed into them.

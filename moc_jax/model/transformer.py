@@ -32,29 +32,43 @@ class Block(nnx.Module):
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
 
-  def __call__(self, h, positions, mask, valid, bank, cache=None, index=None):
-    """-> (h, router stats). With `cache` (cached decoding, model/decode.py: this block's {k, v[, memory]},
-    new positions from slot `index`) -> (h, updated cache)."""
+  def __call__(self, h, positions, mask, valid, bank):
+    """-> (h, router stats of the block's memory read, or None)."""
     route_input = h  # routing reads the layer input, before any norm (MoC-PT)
-    if cache is None:
-      h = h + self.attn(self.attn_norm(h), positions, mask)
-    else:
-      out, (k, v) = self.attn(self.attn_norm(h), positions, mask, (cache["k"], cache["v"]), index)
-      h, new_cache = h + out, {"k": k, "v": v}
     stats = None
+
+    def read_memory(x):
+      nonlocal stats
+      out, stats = self.memory(x, route_input, bank, valid)
+      return out
+
+    h = self._after_attention(h + self.attn(self.attn_norm(h), positions, mask), read_memory)
+    return h, stats
+
+  def decode(self, cache, h, positions, mask, valid, bank, index):
+    """Cached decoding (model/decode.py: this block's {k, v[, memory]}, new positions from slot `index`)
+    -> (updated cache, h)."""
+    route_input = h
+    (k, v), out = self.attn.decode((cache["k"], cache["v"]), self.attn_norm(h), positions, mask, index)
+    new_cache = {"k": k, "v": v}
+
+    def read_memory(x):
+      new_cache["memory"], out = self.memory.decode(cache["memory"], x, route_input, bank, valid, index)
+      return out
+
+    return new_cache, self._after_attention(h + out, read_memory)
+
+  def _after_attention(self, h, read_memory):
+    """The rest of the block after self-attention: [MLP (B)] -> memory read (`read_memory(h)`) -> MLP."""
     if self.variant == "B":
       h = h + self.mlp(self.mlp_norm(h))
     if self.memory is not None:
-      if cache is None:
-        out, stats = self.memory(h, route_input, bank, valid)
-      else:
-        out, new_cache["memory"] = self.memory.decode(h, route_input, bank, valid, cache["memory"], index)
-      h = h + out
+      h = h + read_memory(h)
     if self.variant == "B":
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
     else:
       h = h + self.mlp(self.mlp_norm(h))
-    return constrain(h, "batch", None, None), (stats if cache is None else new_cache)
+    return constrain(h, "batch", None, None)
 
 
 class Group(nnx.Module):
@@ -64,21 +78,31 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
     self.remat = cfg.model.remat
 
-  def __call__(self, h, positions, mask, valid, banks, bank_of, cache=None, index=None):
-    """-> (h, router stats of the memory blocks); with `cache` (one per block) -> (h, updated caches)."""
-    outs, mem_i = [], 0
-    for i, block in enumerate(self.blocks):
-      bank = None
-      if block.memory is not None:
-        bank, mem_i = banks[bank_of[mem_i]], mem_i + 1
-      if cache is not None:  # decoding keeps no activations for a backward pass: no remat
-        h, c = block(h, positions, mask, valid, bank, cache[i], index)
-        outs.append(c)
-        continue
+  def __call__(self, h, positions, mask, valid, banks, bank_of):
+    """-> (h, router stats of the memory blocks)."""
+    stats = []
+    for block, bank in zip(self.blocks, self._banks(banks, bank_of)):
       h, s = self._run(block, h, positions, mask, valid, bank)
       if s is not None:
-        outs.append(s)
-    return h, outs
+        stats.append(s)
+    return h, stats
+
+  def decode(self, cache, h, positions, mask, valid, banks, bank_of, index):
+    """Cached decoding, one cache per block -> (updated caches, h). Decoding keeps no activations for a
+    backward pass: no remat."""
+    new_cache = []
+    for block, bank, block_cache in zip(self.blocks, self._banks(banks, bank_of), cache):
+      c, h = block.decode(block_cache, h, positions, mask, valid, bank, index)
+      new_cache.append(c)
+    return new_cache, h
+
+  def _banks(self, banks, bank_of):
+    """The bank each block reads (None for blocks without memory), in block order."""
+    out, mem_i = [], 0
+    for block in self.blocks:
+      out.append(None if block.memory is None else banks[bank_of[mem_i]])
+      mem_i += block.memory is not None
+    return out
 
   def _run(self, block, h, positions, mask, valid, bank):
     if self.remat == "none":
@@ -88,6 +112,16 @@ class Group(nnx.Module):
     graphdef, state = nnx.split(block)
     fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a), policy=_REMAT_POLICIES[self.remat])
     return fn(state, h, positions, mask, valid, bank)
+
+
+def _first(h_stats):
+  """A scanned group's (h, [stats of its one memory block]) -> (h, stats or None)."""
+  h, stats = h_stats
+  return h, (stats[0] if stats else None)
+
+
+def _swap(cache_h):
+  return cache_h[1], cache_h[0]
 
 
 def _stack(stats_list):
@@ -146,37 +180,42 @@ class Transformer(nnx.Module):
     h, stats = self._trunk(input_ids, positions, mask, valid)
     return self.final_norm(h), self._aux(stats)
 
-  def forward_cached(self, input_ids, positions, mask, valid, cache, index):
+  def forward_cached(self, cache, input_ids, positions, mask, valid, index):
     """Cached decoding (model/decode.py owns the cache): the next L positions [B, L] at slots
-    [index, index+L) -> (logits [B, L, V] float32, updated per-block caches)."""
-    h, cache = self._trunk(input_ids, positions, mask, valid, cache, index)
-    return self.logits(self.final_norm(h)), cache
-
-  def _trunk(self, input_ids, positions, mask, valid, cache=None, index=None):
-    """Embedding and layers -> (h, stacked router stats, or with `cache` the updated caches)."""
-    h = constrain(self.embed(input_ids), "batch", None, None)
-    banks = self.bank.read() if self.bank is not None else None  # float, or quantized codes
+    [index, index+L) -> (updated per-block caches, logits [B, L, V] float32)."""
+    h, banks = self._embed(input_ids)
     if self.plan.scanned:
-      return self._scan(h, positions, mask, valid, banks, cache, index)
-    h, out = self.layers(h, positions, mask, valid, banks, self.bank_ids, cache, index)
-    if cache is None:
-      out = _stack(out) if out else None
-    return h, out
+      h, cache = self._scan(h, banks, lambda group, h, bank, c: _swap(
+          group.decode(c, h, positions, mask, valid, bank, (0,), index)), cache)
+    else:
+      cache, h = self.layers.decode(cache, h, positions, mask, valid, banks, self.bank_ids, index)
+    return cache, self.logits(self.final_norm(h))
 
-  def _scan(self, h, positions, mask, valid, banks, cache=None, index=None):
+  def _embed(self, input_ids):
+    """(embedded tokens, the banks as the memory layers read them: float, or quantized codes)."""
+    h = constrain(self.embed(input_ids), "batch", None, None)
+    return h, (self.bank.read() if self.bank is not None else None)
+
+  def _trunk(self, input_ids, positions, mask, valid):
+    """Embedding and layers -> (h, router stats stacked over the memory layers, or None)."""
+    h, banks = self._embed(input_ids)
+    if self.plan.scanned:
+      return self._scan(h, banks, lambda group, h, bank, _: _first(group(h, positions, mask, valid, bank, (0,))))
+    h, stats = self.layers(h, positions, mask, valid, banks, self.bank_ids)
+    return h, (_stack(stats) if stats else None)
+
+  def _scan(self, h, banks, run, per_group=None):
+    """`lax.scan` of `run(group, h, group_banks, per_group slice) -> (h, out)` over the stacked groups;
+    -> (h, outs stacked over groups). With per_layer sharing group g reads bank g."""
     graphdef, state = nnx.split(self.layers)
-    per_group_bank = banks is not None and banks.shape[0] > 1  # per_layer sharing: bank g <-> group g
+    per_group_bank = banks is not None and banks.shape[0] > 1
 
     def body(h, xs):
-      group_state, bank, group_cache = xs
-      group_banks = bank[None] if per_group_bank else banks
-      h, out = nnx.merge(graphdef, group_state)(h, positions, mask, valid, group_banks, (0,), group_cache, index)
-      if group_cache is None:
-        out = out[0] if out else None
+      group_state, bank, extra = xs
+      h, out = run(nnx.merge(graphdef, group_state), h, bank[None] if per_group_bank else banks, extra)
       return constrain(h, "batch", None, None), out
 
-    xs = (state, banks if per_group_bank else None, cache)
-    return jax.lax.scan(body, h, xs)
+    return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group))
 
   def _aux(self, stats):
     if stats is None:

@@ -10,28 +10,24 @@ import logging
 import os
 import signal
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 
-import moc_jax
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
-from moc_jax import sharding
+from moc_jax import flops, optim, sharding
 from moc_jax.config import routing_statement
-from moc_jax.train import optim
+from moc_jax.errors import TrainingError
+from moc_jax.model.build import count_params, warn_if_not_causal
+from moc_jax.state import build_state, micro_batch_config
+from moc_jax.train import peaks
 from moc_jax.train.metrics import MetricsWriter
-from moc_jax.train.step import make_eval_step, make_train_step
+from moc_jax.train.step import jit_train_step
 
 log = logging.getLogger("moc_jax")
-
-
-class TrainingError(RuntimeError):
-  """The run cannot continue (e.g. too many consecutive non-finite updates); nothing bad was saved."""
 
 
 class _Preemption:
@@ -61,70 +57,23 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-def micro_batch_config(config):
-  """Per-process data config: one loader batch = grad_accum micro-batches of this process's share."""
-  d = config.data.copy_and_resolve_references()
-  d.unlock()
-  d.batch_size = config.train.batch_size * config.train.grad_accum // jax.process_count()
-  return d
+def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
+  """Trains `config` in `workdir` (resuming if it holds checkpoints); returns the last metrics.
 
-
-class StateLayout(NamedTuple):
-  """Everything known about the train state before it exists: built by `build_state`."""
-  graphdef: object
-  tx: object
-  abstract: dict       # ShapeDtypeStructs with their shardings
-  shardings: dict
-  init: object         # jitted () -> state, born sharded
-  padding: sharding.ChapterPadding
-
-
-def build_state(config, mesh) -> StateLayout:
-  """The train state's layout on `mesh`; nothing allocated yet."""
-  abstract = moc_jax.abstract_model(config)
-  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-  tx = optim.make_optimizer(config.train, abstract_params)
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  rules = sharding.rules_of(config)
-  p_shard = sharding.logical_shardings(abstract_params, mesh, rules)
-  o_shard = sharding.logical_shardings(abstract_opt, mesh, rules)
-  replicated = jax.sharding.NamedSharding(mesh, jax.P())
-  scalars = ("step", "nonfinite", "skipped", "rng")
-  shardings = {"params": p_shard, "opt_state": o_shard, **{k: replicated for k in scalars}}
-  padding = sharding.ChapterPadding(config.memory.num_chapters, sharding.padded_chapters(config, dict(mesh.shape)))
-
-  def init(seed):
-    params = nnx.state(moc_jax.model.Transformer(config, nnx.Rngs(params=seed)), nnx.Param)
-    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "nonfinite": jnp.zeros((), jnp.int32), "skipped": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(seed))}
-
-  init_fn = jax.jit(lambda: init(config.seed), out_shardings=shardings)
-  abstract_state = jax.eval_shape(lambda: init(config.seed))
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                abstract_state, shardings)
-  return StateLayout(graphdef, tx, abstract_state, shardings, init_fn, padding)
-
-
-def jit_train_step(graphdef, tx, config, shardings, batch_sharding):
-  """The one jitted train step: explicit state/batch shardings, the state donated."""
-  return jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
-                 out_shardings=(shardings, None), donate_argnums=0)
-
-
-def train_and_evaluate(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming if it holds checkpoints); returns the last metrics."""
+  `make_evaluator(config, graphdef, param_shardings, batch_sharding)` returns the `params -> metrics`
+  evaluation run at step 0 (fresh runs), every `train.eval_every` steps and at the end
+  (moc_jax.eval.validation.ValidationEvaluator is the standard one)."""
   os.makedirs(workdir, exist_ok=True)
-  moc_jax._warn_if_not_causal(config)
+  warn_if_not_causal(config)
   if jax.process_index() == 0:  # process 0 alone writes the workdir's files (metrics too: see _train)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
-    return _train(config, workdir, mesh)
+    return _train(config, workdir, mesh, make_evaluator)
 
 
-def _train(config, workdir, mesh):
+def _train(config, workdir, mesh, make_evaluator):
   t = config.train
   layout = build_state(config, mesh)
   graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
@@ -153,7 +102,7 @@ def _train(config, workdir, mesh):
   writer = MetricsWriter(workdir, t.steps, start, t.progress) if jax.process_index() == 0 else _NoMetrics()
   batch_sharding = sharding.data_sharding(config, mesh)
   train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding)
-  evaluator = Evaluator(config, graphdef, shardings["params"], batch_sharding)
+  evaluator = make_evaluator(config, graphdef, shardings["params"], batch_sharding)
   preempt = _Preemption()
   if start == 0:  # the untrained baseline anchors the curves
     writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
@@ -218,7 +167,7 @@ def _nbytes(tree):
 
 
 def _log_memory(config, abstract_state):
-  counts = moc_jax.count_params(config)
+  counts = count_params(config)
   msg = (f"moc_jax: {counts['total']:,} parameters (bank {counts['bank']:,}); params "
          f"{_nbytes(abstract_state['params']) / 2**20:.1f} MiB, optimizer state "
          f"{_nbytes(abstract_state['opt_state']) / 2**20:.1f} MiB")
@@ -232,12 +181,10 @@ class Throughput:
   recompute) over time x devices x the device's peak for the compute dtype (measured once on CPU)."""
 
   def __init__(self, config):
-    from moc_jax import flops
-    from moc_jax.bench.peaks import device_peak_flops
     self.tokens_per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len
     self.flops_per_step = flops.model_flops_per_token(config) * self.tokens_per_step
     self.devices = jax.device_count()
-    self.peak, source = device_peak_flops(config.model.compute_dtype)
+    self.peak, source = peaks.device_peak_flops(config.model.compute_dtype)
     log.warning("moc_jax: %.3g model FLOPs per step; peak %s FLOP/s per device (%s)", self.flops_per_step,
                 f"{self.peak:.3g}" if self.peak else "unknown", source)
 
@@ -264,42 +211,3 @@ def _log_row(writer, step, state, metrics, window, throughput, t):
   writer.write(row)
   window.update(t0=time.time(), wait=0.0, steps=0, malformed=0)
   return row
-
-
-class Evaluator:
-  """Validation CE over the eval split (and fact recall on moc_facts probes)."""
-
-  def __init__(self, config, graphdef, p_shard, batch_sharding):
-    d = micro_batch_config(config)
-    d.batch_size = config.train.batch_size * config.train.grad_accum  # global: all processes read the same rows
-    self.batches = list(data_lib.make_eval_batches(d, split="validation", max_batches=config.train.eval_batches))
-    self.sharding = batch_sharding
-    self.step = jax.jit(make_eval_step(graphdef), in_shardings=(p_shard, batch_sharding))
-    self.probes = None
-    if config.data.name == "moc_facts":
-      from moc_jax.data.tokenizers import get_tokenizer
-      from moc_jax.eval import ProbeEvaluator, select_probes
-      probes = select_probes(data_lib.load_probes(config.data), config.train.num_probes, config.seed)
-      self.probes = ProbeEvaluator(graphdef, probes, get_tokenizer(config.data.tokenizer))
-
-  def __call__(self, params) -> dict:
-    nll, count = 0.0, 0
-    for b in self.batches:
-      b = {k: v for k, v in b.items() if k != "n_malformed"}
-      # every process holds the whole global batch and hands each of its devices that device's rows
-      s, c = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding, lambda i, v=v: v[i])
-                                for k, v in b.items()})
-      nll, count = nll + float(s), count + int(c)
-    ce = nll / max(count, 1)
-    out = {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}
-    if self.probes is not None:
-      out.update(self.probes(params))
-    return out
-
-
-def evaluate_checkpoint(config, workdir: str, options=None) -> dict:
-  """--mode=eval: `moc_jax.eval.evaluate` of the newest checkpoint in `workdir` (CE on the validation
-  split, fact recall, routing analysis; eval.json written), restored onto this run's mesh whatever mesh
-  saved it."""
-  from moc_jax.eval import evaluate
-  return evaluate(config, workdir, options)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moc_jax.losses import forward, lm_loss, next_token_nll
+from moc_jax.losses import lm_loss
 
 def _freeze_bank(params):
   return nnx.map_state(lambda path, v: jax.lax.stop_gradient(v) if "bank" in map(str, path) else v, params)
@@ -57,9 +57,7 @@ def make_train_step(graphdef, tx, config):
   return train_step
 
 
-def make_eval_step(graphdef):
-  """(params, batch) -> (sum of next-token NLL, number of scored tokens): pure CE, no aux."""
-  def eval_step(params, batch):
-    logits, _ = forward(nnx.merge(graphdef, params), batch, train=False)
-    return next_token_nll(logits, batch["labels"])
-  return eval_step
+def jit_train_step(graphdef, tx, config, shardings, batch_sharding):
+  """The one jitted train step: explicit state/batch shardings, the state donated."""
+  return jax.jit(make_train_step(graphdef, tx, config), in_shardings=(shardings, batch_sharding),
+                 out_shardings=(shardings, None), donate_argnums=0)

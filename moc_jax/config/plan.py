@@ -1,0 +1,80 @@
+"""Facts derived from a config: which layers read memory, which bank each reads, how the stack is scanned,
+and whether the model is causal. Pure functions of the config (no JAX), shared by validation, the model,
+FLOPs counting, conversion and analysis.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from moc_jax.config.schema import CAUSAL_ROUTINGS
+
+
+def routing_is_causal(c) -> bool:
+  """Whether each position's output depends only on tokens at or before it (the backbone always is;
+  `sequence` routing pools the whole row, the other modes pool the past)."""
+  return not (c.memory.enabled and memory_layers(c) and c.memory.routing not in CAUSAL_ROUTINGS)
+
+
+def routing_statement(c) -> str:
+  """One line for the training log: the routing mode and whether the run is causal."""
+  if not (c.memory.enabled and memory_layers(c)):
+    return "no memory layers: causal"
+  if routing_is_causal(c):
+    return f"memory.routing={c.memory.routing}: causal (no position reads chapters chosen from later tokens)"
+  return ("memory.routing=sequence: NOT causal (each row's chapters are chosen from all its tokens, "
+          "future ones included; MoC-PT's paper mode)")
+
+
+def memory_layers(c) -> tuple[int, ...]:
+  """Sorted indices of the layers that read memory (MoC-PT's placement rules)."""
+  m, mem = c.model, c.memory
+  L = m.num_layers
+  if not mem.enabled or mem.placement == "none":
+    return ()
+  return tuple({
+      "all": lambda: range(L),
+      "first_k": lambda: range(min(mem.placement_k, L)),
+      "last_k": lambda: range(max(L - mem.placement_k, 0), L),
+      "every_n": lambda: range(0, L, mem.placement_n),
+      "custom": lambda: sorted(i for i in mem.layer_indices if 0 <= i < L),
+  }[mem.placement]())
+
+
+def bank_ids(c) -> tuple[int, ...]:
+  """Bank index read by each memory layer, in memory-layer order."""
+  n = len(memory_layers(c))
+  return tuple({"shared": lambda i: 0, "per_layer": lambda i: i,
+                "every_k_layers": lambda i: i // c.memory.sharing_k}[c.memory.sharing](i) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How the layer stack is built: `num_groups` copies of a `period`-layer group.
+
+  scanned: groups are stacked and run under `lax.scan` (placement periodic, banks scannable);
+  otherwise one group holds every layer, unrolled.
+  """
+  period: int
+  num_groups: int
+  memory_offsets: tuple[int, ...]  # positions inside a group that read memory
+  scanned: bool
+
+
+def layer_plan(c) -> LayerPlan:
+  L = c.model.num_layers
+  mem_layers = memory_layers(c)
+  unrolled = LayerPlan(L, 1, mem_layers, False)
+  if not c.model.scan_layers:
+    return unrolled
+  if c.memory.enabled and c.memory.sharing == "every_k_layers" and c.memory.sharing_k > 1:
+    return unrolled
+  for period in range(1, L + 1):
+    if L % period:
+      continue
+    offsets = tuple(i for i in mem_layers if i < period)
+    expected = {o + g * period for g in range(L // period) for o in offsets}
+    if expected == set(mem_layers) and len(offsets) <= 1:
+      if L // period == 1:
+        return unrolled
+      return LayerPlan(period, L // period, offsets, True)
+  return unrolled

@@ -1,0 +1,177 @@
+"""Every config field and its default: the one structure that configs, saved runs and imports fill in.
+
+Configs are code (`configs/*.py` build on `base_config()`); a saved run's config.json is read back into
+it (config/load.py), and MoC-PT's YAML is mapped onto it (convert/mocpt.py). Defaults are MoC-PT's
+paper-run values where it has one. Config arguments are big_vision style: `name[,modifier...]`, e.g.
+`262k,runlocal`.
+"""
+from __future__ import annotations
+
+import os
+
+from ml_collections import config_dict
+
+DEFAULT_DATA_DIR = "~/.cache/moc_jax/data"
+DATA_DIR_ENV = "MOC_JAX_DATA_DIR"
+
+# The values an enumerated field accepts (config/validate.py rejects anything else).
+PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
+SHARINGS = ("shared", "per_layer", "every_k_layers")
+VARIANTS = ("A", "B")
+TOKEN_NORMS = ("rms", "layernorm", "none")
+ROUTINGS = ("sequence", "token", "prefix", "chunk")
+CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend only on tokens at or before it
+DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
+SHARDED_READS = ("auto", "ring", "scatter")
+ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
+DTYPES = ("float32", "bfloat16", "float16")
+REMATS = ("none", "full", "dots")
+SCHEDULES = ("wsd", "cosine", "linear", "constant")
+LAYOUTS = ("pack", "pad_truncate")
+PACK_BOUNDARIES = ("segment", "eos")
+CHAT_FORMATS = ("plain", "chatml")
+
+
+def parse_arg(arg, known_names):
+  """Splits `name,mod1,mod2` into (name, set(mods)); names the fix on a typo."""
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  if not parts or parts[0] not in known_names:
+    raise ValueError(
+        f"config arg {arg!r}: the first item must be one of {sorted(known_names)}"
+        " (e.g. `configs/moc.py:tiny` or `configs/moc.py:262k,runlocal`)")
+  return parts[0], set(parts[1:])
+
+
+def base_config():
+  """Every field, with MoC-PT's paper-run values where they have one."""
+  c = config_dict.ConfigDict()
+  c.name = "moc"
+  c.seed = 0
+
+  m = c.model = config_dict.ConfigDict()
+  m.vocab_size = 49_152
+  m.d_model = 768
+  m.num_layers = 16
+  m.num_heads = 12
+  m.num_kv_heads = 4
+  m.mlp_dim = 2304
+  m.max_seq_len = 1024
+  m.rope_theta = 100_000.0
+  m.norm_eps = 1e-5
+  m.init_std = 0.02              # every Linear, the embedding, the router
+  m.attn_out_init_std = 0.00378  # self-attention W_o (paper run value)
+  m.mlp_out_init_std = 0.00378   # SwiGLU W_down (paper run value)
+  m.compute_dtype = "bfloat16"   # matmul inputs; params, residual, norms, softmax and loss stay float32
+  m.param_dtype = "float32"
+  m.remat = "full"               # none | full | dots : per-block activation checkpointing
+  m.logits_chunk = 0             # > 0: the training loss computes logits this many positions at a time
+  m.scan_layers = True           # scan the repeating group of layers when the placement is periodic
+
+  mem = c.memory = config_dict.ConfigDict()
+  mem.enabled = True             # False = vanilla backbone (no bank, no router)
+  mem.num_tokens = 262_208
+  mem.num_chapters = 4097
+  mem.num_shared = 1             # chapters [0, num_shared) are always read
+  mem.top_k = 64                 # routed chapters per sequence
+  mem.routed_scaling_factor = 2.5
+  mem.dim = config_dict.placeholder(int)  # None -> d_model
+  mem.num_heads = 12
+  mem.num_kv_heads = 12
+  mem.placement = "custom"       # all | first_k | last_k | every_n | custom | none
+  mem.placement_k = 5            # first_k / last_k
+  mem.placement_n = 3            # every_n: layers 0, n, 2n, ...
+  mem.layer_indices = (2, 6, 10, 14)  # custom
+  mem.sharing = "shared"         # shared | per_layer | every_k_layers
+  mem.sharing_k = 2
+  mem.block_variant = "A"        # A: SA -> mem -> MLP ; B: SA -> MLP -> mem -> MLP
+  mem.token_norm = "rms"         # rms | layernorm | none : parameter-free norm of selected memory tokens
+  mem.token_norm_eps = 1e-5
+  mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
+  mem.routing = "sequence"       # sequence (MoC-PT's paper mode; NOT causal) | token | prefix | chunk (causal)
+  mem.routing_chunk = 64         # chunk routing: positions per routing decision
+  # cached decoding: auto (the training routing if causal, else sequence) | sequence (routed once on the
+  # prompt) | rolling | hybrid (MoC-PT's decode-only strategies) | token | prefix | chunk
+  mem.decode_routing = "auto"
+  mem.routing_window = 128       # rolling / hybrid: the last layer inputs a decoding decision averages
+  mem.attention_impl = "auto"    # token/prefix/chunk reads: auto | pallas | xla | reference (kernels_pallas)
+  mem.init_std = 0.02
+  mem.wo_init_zero = True
+  mem.load_balance_coef = 0.01   # 0 disables the term
+  mem.z_loss_coef = 0.001
+  mem.mse_aux_coef = 0.0
+  t = c.train = config_dict.ConfigDict()
+  t.batch_size = 32              # global sequences per micro-batch
+  t.grad_accum = 1               # micro-batches per update (loss = mean of micro-batch token means)
+  t.steps = 9600                 # optimizer updates
+  t.base_lr = 3e-4
+  t.memory_lr = 6e-4             # routers, memory attention and norms
+  t.bank_lr = config_dict.placeholder(float)  # None -> memory_lr; 0 -> MoC-PT's "frozen bank"
+  t.freeze_bank = False          # drop the bank from the optimizer (no Adam state, no bank gradient)
+  t.weight_decay = 0.1
+  t.b1, t.b2, t.eps = 0.9, 0.95, 1e-8
+  t.clip_norm = 1.0              # 0 disables clipping
+  t.schedule = "wsd"             # wsd | cosine | linear | constant
+  t.warmup_steps = 250
+  t.decay_start_step = config_dict.placeholder(int)
+  t.decay_start_ratio = config_dict.placeholder(float)
+  t.min_lr_ratio = 0.1
+  t.log_every = 10
+  t.eval_every = 100
+  t.eval_batches = config_dict.placeholder(int)  # None -> the whole validation split
+  t.num_probes = 256             # moc_facts fact-recall probes scored at each evaluation
+  t.checkpoint_every = 500
+  t.keep_checkpoints = 3
+  t.max_nonfinite = 5            # consecutive skipped updates before the run stops
+  t.init_from = config_dict.placeholder(str)     # weights-only start from another workdir
+  t.progress = "auto"            # auto | bar | log
+
+  # Device mesh (see moc_jax/sharding/mesh.py): axis sizes, -1 = the remaining devices.
+  c.mesh = config_dict.ConfigDict(dict(data=-1, memory=1, fsdp=1, tensor=1))
+  # logical axis -> mesh axis / axes / None (replicated): the only place model axes meet mesh axes.
+  # Outside the memory read the memory axis is a batch and FSDP axis (as experts are in MoE expert parallelism).
+  c.logical_axis_rules = (
+      ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
+      ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
+      ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"),
+      ("chapter_logits", None))
+  c.num_fake_devices = 0         # > 0: that many CPU devices (compile reports, mesh tests on one host)
+
+  c.data = data_config()
+  return c
+
+
+def data_config() -> config_dict.ConfigDict:
+  """Defaults for `config.data` (byte vocabulary, packed 256-token rows, the embedded corpus)."""
+  c = config_dict.ConfigDict()
+  c.name = "moc_facts"          # moc_facts | tfds:<name>[/config] | arrayrecord:<dir> | chat:<path.jsonl>
+  c.data_dir = os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR)
+  c.tokenizer = "byte"          # byte | hf:<tokenizer.json> | sp:<model.model>
+  c.layout = "pack"             # pack | pad_truncate (MoC-PT: one document per row, truncated, right-padded)
+  c.pack_boundaries = "segment"  # segment (segment_ids + positions) | eos (EOS-separated, plain causal)
+  c.seq_len = 256
+  c.batch_size = 16             # per process, per micro-batch
+  c.seed = 0
+  c.shuffle = True
+  c.num_threads = 2             # grain read threads
+  c.prefetch = 2                # batches prepared ahead in a background thread (0: none)
+  c.text_field = "text"
+  c.chat_format = "plain"       # plain (MoC-PT's <|user|> fallback) | chatml
+
+  f = c.facts = config_dict.ConfigDict()
+  f.num_entities = 2000
+  f.seed = 0
+  f.zipf_a = 1.1
+  f.num_docs = 20_000
+  f.num_val_docs = 1000
+  f.probes_per_fact = 1
+  f.num_candidates = 4
+  return c
+
+
+def runlocal(c):
+  """Same architecture, CPU-sized run (a smoke test of the full model)."""
+  c.model.max_seq_len = 64
+  c.data.seq_len = 64
+  c.train.update(batch_size=2, grad_accum=1, steps=3, warmup_steps=1, decay_start_step=None, log_every=1,
+                 eval_every=3, eval_batches=1, num_probes=8, checkpoint_every=3)
+  return c

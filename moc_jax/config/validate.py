@@ -1,0 +1,163 @@
+"""`validate()`: the single gate every config passes before anything is built.
+
+Every inconsistent field is rejected here, with one message naming the field and the fix, before any array
+is allocated or anything compiles. Model code reads fields, never re-checks them.
+"""
+from __future__ import annotations
+
+from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
+from moc_jax.config.schema import (ATTENTION_IMPLS, CHAT_FORMATS, DECODE_ROUTINGS, DTYPES, LAYOUTS, PACK_BOUNDARIES,
+                                   PLACEMENTS, REMATS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS,
+                                   VARIANTS)
+from moc_jax.errors import ConfigError, DataError
+from moc_jax.sharding.mesh import validate_mesh
+
+
+def _fail(field, problem, fix):
+  raise ConfigError(f"config.{field}: {problem} — {fix}")
+
+
+def _enum(c, field, allowed):
+  node, name = field.split(".")
+  value = c[node][name]
+  if value not in allowed:
+    _fail(field, f"unknown value {value!r}", f"use one of {list(allowed)}")
+
+
+def _positive(c, field, allow_zero=False):
+  node, name = field.split(".")
+  value = c[node][name]
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+    _fail(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}", "set a valid value")
+
+
+def validate(c) -> None:
+  """Rejects an inconsistent config with one ConfigError naming the field and the fix."""
+  m, mem = c.model, c.memory
+  for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+            "max_seq_len", "rope_theta", "norm_eps", "init_std", "attn_out_init_std", "mlp_out_init_std"):
+    _positive(c, f"model.{f}")
+  for f in ("compute_dtype", "param_dtype"):
+    _enum(c, f"model.{f}", DTYPES)
+  _enum(c, "model.remat", REMATS)
+  _positive(c, "model.logits_chunk", allow_zero=True)
+  if m.d_model % m.num_heads:
+    _fail("model.num_heads", f"{m.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
+  if m.num_heads % m.num_kv_heads:
+    _fail("model.num_kv_heads", f"{m.num_kv_heads} does not divide num_heads {m.num_heads}",
+          "pick a divisor of num_heads (GQA groups)")
+  if (m.d_model // m.num_heads) % 2:
+    _fail("model.num_heads", f"head_dim {m.d_model // m.num_heads} is odd", "RoPE needs an even head_dim")
+  if "data" in c:
+    validate_data(c.data)
+  if "data" in c and c.data.seq_len > m.max_seq_len:
+    _fail("data.seq_len", f"{c.data.seq_len} > model.max_seq_len {m.max_seq_len}", "shorten data.seq_len")
+  if "train" in c:
+    _validate_train(c)
+  if mem.enabled:
+    _validate_memory(c)
+  if "mesh" in c:
+    validate_mesh(c, _logical_dims(c))
+
+
+def validate_data(d) -> None:
+  """Rejects an invalid `config.data` with one DataError naming the field (the input pipeline checks the data
+  config it is handed too, since it can be built without a whole config)."""
+  for field, allowed in (("layout", LAYOUTS), ("pack_boundaries", PACK_BOUNDARIES), ("chat_format", CHAT_FORMATS)):
+    if d[field] not in allowed:
+      raise DataError(f"config.data.{field}: unknown value {d[field]!r}; use one of {list(allowed)}")
+  for field, minimum in (("seq_len", 2), ("batch_size", 1), ("num_threads", 0), ("prefetch", 0), ("seed", 0)):
+    if not isinstance(d[field], int) or isinstance(d[field], bool) or d[field] < minimum:
+      raise DataError(f"config.data.{field}: must be an integer >= {minimum}, got {d[field]!r}")
+
+
+def _validate_memory(c):
+  m, mem = c.model, c.memory
+  _enum(c, "memory.placement", PLACEMENTS)
+  _enum(c, "memory.sharing", SHARINGS)
+  _enum(c, "memory.block_variant", VARIANTS)
+  _enum(c, "memory.token_norm", TOKEN_NORMS)
+  _enum(c, "memory.routing", ROUTINGS)
+  _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
+  _enum(c, "memory.sharded_read", SHARDED_READS)
+  _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
+  for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
+            "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk", "routing_window"):
+    _positive(c, f"memory.{f}")
+  for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef"):
+    _positive(c, f"memory.{f}", allow_zero=True)
+  if mem.dim is not None and mem.dim <= 0:
+    _fail("memory.dim", f"must be > 0 or None, got {mem.dim}", "leave it None to use d_model")
+  if mem.num_tokens % mem.num_chapters:
+    _fail("memory.num_tokens", f"{mem.num_tokens} is not divisible by num_chapters {mem.num_chapters}",
+          f"use a multiple of num_chapters, e.g. {mem.num_chapters * max(1, mem.num_tokens // mem.num_chapters)}")
+  if mem.num_shared >= mem.num_chapters:
+    _fail("memory.num_shared", f"{mem.num_shared} leaves no routable chapter of {mem.num_chapters}",
+          "use fewer shared chapters than num_chapters")
+  if mem.num_shared == 0 and mem.routed_scaling_factor == 0:
+    _fail("memory.routed_scaling_factor", "0 with no shared chapter gives every chapter weight 0/0",
+          "use a positive factor or add a shared chapter")
+  if mem.top_k > mem.num_chapters - mem.num_shared:
+    _fail("memory.top_k", f"{mem.top_k} > routable chapters {mem.num_chapters - mem.num_shared}",
+          "lower top_k or add chapters")
+  if m.d_model % mem.num_heads:
+    _fail("memory.num_heads", f"{mem.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
+  if mem.num_heads % mem.num_kv_heads:
+    _fail("memory.num_kv_heads", f"{mem.num_kv_heads} does not divide memory.num_heads {mem.num_heads}",
+          "pick a divisor of memory.num_heads")
+  if mem.placement == "custom":
+    bad = [i for i in mem.layer_indices if not 0 <= i < m.num_layers]
+    if bad or len(set(mem.layer_indices)) != len(mem.layer_indices):
+      _fail("memory.layer_indices", f"{tuple(mem.layer_indices)} has out-of-range or repeated layers {bad}",
+            f"use distinct indices in [0, {m.num_layers})")
+  if mem.placement in ("first_k", "last_k") and mem.placement_k > m.num_layers:
+    _fail("memory.placement_k", f"{mem.placement_k} > num_layers {m.num_layers}", "use at most num_layers")
+  if not memory_layers(c):
+    _fail("memory.placement", f"{mem.placement!r} places no memory layer",
+          "set memory.enabled=False for a vanilla model, or place at least one memory layer")
+
+
+def _validate_train(c):
+  t = c.train
+  for f in ("batch_size", "grad_accum", "steps", "log_every", "eval_every", "checkpoint_every",
+            "keep_checkpoints", "max_nonfinite"):
+    _positive(c, f"train.{f}")
+  for f in ("base_lr", "memory_lr", "weight_decay", "clip_norm", "warmup_steps", "min_lr_ratio", "num_probes"):
+    _positive(c, f"train.{f}", allow_zero=True)
+  if t.bank_lr is not None and t.bank_lr < 0:
+    _fail("train.bank_lr", f"must be >= 0 or None, got {t.bank_lr}", "use 0 for a frozen bank, None for memory_lr")
+  _enum(c, "train.schedule", SCHEDULES)
+  if t.warmup_steps > t.steps:
+    _fail("train.warmup_steps", f"{t.warmup_steps} > train.steps {t.steps}", "shorten the warm-up")
+  if t.schedule == "wsd" and t.decay_start_step is not None and t.decay_start_step > t.steps:
+    _fail("train.decay_start_step", f"{t.decay_start_step} > train.steps {t.steps}: the learning rate would never "
+          "decay", "set it <= train.steps (shortening a run: scale both), or use train.decay_start_ratio")
+  if t.decay_start_ratio is not None and not 0 <= t.decay_start_ratio <= 1:
+    _fail("train.decay_start_ratio", f"{t.decay_start_ratio} is outside [0, 1]", "use a fraction of train.steps")
+  for f in ("b1", "b2"):
+    if not 0 <= t[f] < 1:
+      _fail(f"train.{f}", f"Adam beta must be in [0, 1), got {t[f]}", "e.g. 0.9 / 0.95")
+  _positive(c, "train.eps")
+  import jax
+  if (t.batch_size * t.grad_accum) % jax.process_count():
+    _fail("train.batch_size", f"{t.batch_size}*{t.grad_accum} is not divisible by {jax.process_count()} processes",
+          "use a global batch divisible by the process count")
+
+
+def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
+  """(field, size) of every dimension each logical axis names, for the mesh divisibility check."""
+  m, mem = c.model, c.memory
+  dims = {"vocab": [("model.vocab_size", m.vocab_size)], "embed": [("model.d_model", m.d_model)],
+          "heads": [("model.num_heads", m.num_heads)], "kv": [("model.num_kv_heads", m.num_kv_heads)],
+          "mlp": [("model.mlp_dim", m.mlp_dim)], "layers": [("model.num_layers", layer_plan(c).num_groups)]}
+  if "train" in c:
+    dims["batch"] = [("train.batch_size", c.train.batch_size)]
+  if mem.enabled and memory_layers(c):
+    dims["embed"].append(("memory.dim", mem.dim or m.d_model))
+    dims["heads"].append(("memory.num_heads", mem.num_heads))
+    dims["kv"].append(("memory.num_kv_heads", mem.num_kv_heads))
+    dims["chapter_tokens"] = [("memory.num_tokens", mem.num_tokens // mem.num_chapters)]
+    dims["bank_embed"] = [("memory.dim", mem.dim or m.d_model)]
+    dims["chapter_logits"] = [("memory.num_chapters", mem.num_chapters)]
+    dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
+  return dims

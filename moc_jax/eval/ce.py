@@ -1,0 +1,49 @@
+"""Cross-entropy and perplexity over a fixed list of batches: the one CE evaluator of training (the
+validation curve) and of `python -m moc_jax.eval` (any split, optionally with the routing decisions)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moc_jax import data as data_lib
+from moc_jax.eval.scoring import everywhere
+from moc_jax.losses import forward, next_token_nll
+from moc_jax.state import eval_data_config
+
+
+def split_batches(config, split: str) -> list[dict]:
+  """The split's global eval batches (the training evaluation's rows, `train.eval_batches` of them)."""
+  return list(data_lib.make_eval_batches(eval_data_config(config), split=split,
+                                         max_batches=config.train.eval_batches))
+
+
+class CEEvaluator:
+  """CE and perplexity over `batches`, one jitted forward per batch. With `routing=True` the step also
+  returns the routing decisions (aux `chapters`) for the call's `on_routing`; without, it computes CE alone
+  (the training loop's evaluation)."""
+
+  def __init__(self, graphdef, p_shard, batch_sharding, batches, routing=False):
+    self.batches, self.sharding, self.routing = batches, batch_sharding, routing
+
+    def step(params, batch):
+      logits, aux = forward(nnx.merge(graphdef, params), batch, train=False)
+      nll, count = next_token_nll(logits, batch["labels"])
+      if not routing:
+        return nll, count
+      return nll, count, (everywhere(aux["chapters"]) if "chapters" in aux else None)
+
+    self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
+
+  def __call__(self, params, on_routing=None) -> dict:
+    nll, count = 0.0, 0
+    for b in self.batches:
+      b = {k: v for k, v in b.items() if k != "n_malformed"}
+      # every process holds the whole global batch and hands each of its devices that device's rows
+      out = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding, lambda i, v=v: v[i])
+                               for k, v in b.items()})
+      nll, count = nll + float(out[0]), count + int(out[1])
+      if on_routing is not None and self.routing and out[2] is not None:
+        on_routing(np.asarray(out[2]), b["attention_mask"])
+    ce = nll / max(count, 1)
+    return {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}

@@ -1,0 +1,240 @@
+"""Where the routers send an evaluation set, and what the chapters they pick are worth.
+
+Usage: per memory layer, how often each chapter is *routed to* over the routing decisions of the
+eval split — one decision per row (`sequence` routing), per real position (`token`, `prefix`) or per chunk
+holding a real position (`chunk`); decisions that see only padding are not counted. Shared chapters are
+read by every decision and are left out: counts, entropy and coverage are over the routable chapters.
+
+Stability: for each fact-recall probe the routed chapter set of its prompt is compared, by Jaccard overlap
+|A ∩ B| / |A ∪ B|, with the set for the same fact in another training template of its attribute
+(`paraphrase`) and with the set for the same template about another entity (`other_entity`, the
+baseline). The decision compared is the one that predicts the answer's first token: the row's
+(`sequence`), the last prompt position's (`token`, `prefix`) or that position's chunk's (`chunk`).
+Routing keyed on the fact shows paraphrase overlap above the baseline.
+
+Ablation: chosen chapters of the bank are set to zero and the split's CE measured again. A router reads its
+layer's input, not the bank: the first memory layer picks the same chapters, later ones may pick others once
+an earlier read has changed. The change is what the chapters' contents contribute, through the reads and
+through that rerouting (a chapter no decision picks changes nothing, exactly).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moc_jax import sharding
+from moc_jax.config import bank_ids, memory_layers
+from moc_jax.errors import ConfigError
+from moc_jax.eval.scoring import chunk_rows, everywhere, in_chunks, pad_rows
+
+
+def decision_mask(attention_mask, routing: str, chunk: int):
+  """Which routing decisions see at least one real token: [B] (sequence), [B, L] (token, prefix) or
+  [B, ceil(L / chunk)] (chunk)."""
+  valid = np.asarray(attention_mask).astype(bool)
+  if routing == "sequence":
+    return valid.any(axis=1)
+  if routing == "chunk":
+    b, length = valid.shape
+    n = -(-length // chunk)
+    return np.pad(valid, ((0, 0), (0, n * chunk - length))).reshape(b, n, chunk).any(axis=-1)
+  return valid
+
+
+def routed_ids(chapters, routing: str, num_shared: int):
+  """The routed part of aux `chapters` [n_mem, B, ..., slots] (token routing lists routed chapters only;
+  the other modes list the shared chapters first)."""
+  return chapters if routing == "token" else chapters[..., num_shared:]
+
+
+class Usage:
+  """Routed selections per (memory layer, chapter) over the decisions of the batches given to `add`."""
+
+  def __init__(self, config):
+    mem = config.memory
+    self.layers, self.banks = memory_layers(config), bank_ids(config)
+    self.routing, self.chunk, self.num_shared = mem.routing, mem.routing_chunk, mem.num_shared
+    self.counts = np.zeros((len(self.layers), mem.num_chapters), np.int64)
+    self.decisions = 0
+
+  def add(self, chapters, attention_mask) -> None:
+    """chapters: aux["chapters"] of one batch; attention_mask: its [B, L] mask."""
+    valid = decision_mask(attention_mask, self.routing, self.chunk)
+    ids = routed_ids(np.asarray(chapters), self.routing, self.num_shared)
+    for i in range(len(self.layers)):
+      self.counts[i] += np.bincount(ids[i][valid].reshape(-1), minlength=self.counts.shape[1])
+    self.decisions += int(valid.sum())
+
+  def stats(self) -> list[dict]:
+    """Per memory layer: selections, coverage, usage entropy (nats) and the most used chapters."""
+    out = []
+    for i, (layer, bank) in enumerate(zip(self.layers, self.banks)):
+      routable = self.counts[i, self.num_shared:]
+      total = int(routable.sum())
+      p = routable[routable > 0] / max(total, 1)
+      entropy = float(-(p * np.log(p)).sum())
+      top = np.argsort(-routable, kind="stable")[:10]
+      out.append({"layer": layer, "bank": bank, "decisions": self.decisions, "routed_selections": total,
+                  "chapters_selected": int((routable > 0).sum()),
+                  "chapters_selected_frac": float((routable > 0).mean()),
+                  "usage_entropy": entropy, "usage_entropy_max": math.log(len(routable)),
+                  "effective_chapters": math.exp(entropy),
+                  "top_chapters": [[int(c + self.num_shared), int(routable[c])] for c in top if routable[c]],
+                  "counts": self.counts[i].tolist()})
+    return out
+
+
+# --- stability ------------------------------------------------------------------------------------
+
+def _cloze(template: str, name: str) -> str:
+  """A training template's prompt for `name` (the text before its value), as moc_facts makes probes."""
+  return template[:template.index("{value}")].rstrip().format(name=name)
+
+
+def stability_prompts(probes):
+  """(prompt, paraphrase, other-entity prompt) per probe, or None for the baseline when the probes
+  name a single entity."""
+  from moc_jax.data.facts import ATTRIBUTES
+  entities = sorted({p["entity"] for p in probes})
+  triples = []
+  for p in probes:
+    templates = ATTRIBUTES[p["attribute"]][1]
+    j = next((j for j, t in enumerate(templates) if _cloze(t, p["entity"]) == p["prompt"]), 0)
+    other = entities[(entities.index(p["entity"]) + 1) % len(entities)]
+    triples.append((p["prompt"], _cloze(templates[(j + 1) % len(templates)], p["entity"]),
+                    _cloze(templates[j], other) if other != p["entity"] else None))
+  return triples
+
+
+def answer_decision(chapters, attention_mask, routing: str, chunk: int, num_shared: int):
+  """Routed chapters [n_mem, B, k] of the decision that predicts the token after each row's last real one."""
+  ids = routed_ids(np.asarray(chapters), routing, num_shared)
+  if routing == "sequence":
+    return ids
+  last = np.asarray(attention_mask).sum(axis=1) - 1
+  return ids[:, np.arange(ids.shape[1]), last // chunk if routing == "chunk" else last]
+
+
+def jaccard(a, b):
+  """Row-wise |A ∩ B| / |A ∪ B| of chapter-id sets a, b [N, k]."""
+  return np.array([len(set(x) & set(y)) / len(set(x) | set(y)) for x, y in zip(a.tolist(), b.tolist())])
+
+
+class Router:
+  """Routing decisions of token rows: (ids, mask) [N, W] -> chapters [n_mem, N, ...] (jitted, chunked)."""
+
+  def __init__(self, graphdef, batch_rows: int = 64):
+    self.batch_rows = batch_rows
+
+    @jax.jit
+    def route(params, ids, mask):
+      _, aux = nnx.merge(graphdef, params).features(ids, mask)
+      return everywhere(jnp.moveaxis(aux["chapters"], 0, 1))  # rows first, for chunking
+
+    self._route = route
+
+  def __call__(self, params, ids, mask):
+    out = in_chunks(lambda i, m: self._route(params, i, m), chunk_rows(len(ids), self.batch_rows), ids, mask)
+    return np.moveaxis(out, 0, 1)
+
+
+def stability(router, params, probes, tokenizer, config) -> list[dict]:
+  """Mean Jaccard overlap per memory layer: prompt vs paraphrase, and prompt vs other entity."""
+  triples = stability_prompts(probes)
+  with_other = [t for t in triples if t[2] is not None]
+  texts = [t[0] for t in triples] + [t[1] for t in triples] + [t[0] for t in with_other] + [t[2] for t in with_other]
+  ids, mask = pad_rows([tokenizer.encode(t) for t in texts], tokenizer.pad_id)  # one width: fair to sequence routing
+  mem = config.memory
+  sets = answer_decision(router(params, ids, mask), mask, mem.routing, mem.routing_chunk, mem.num_shared)
+  n, m = len(triples), len(with_other)
+  out = []
+  for i, layer in enumerate(memory_layers(config)):
+    s = sets[i]
+    row = {"layer": layer, "pairs": n, "paraphrase_jaccard": float(jaccard(s[:n], s[n:2 * n]).mean())}
+    if m:
+      row["other_entity_jaccard"] = float(jaccard(s[2 * n:2 * n + m], s[2 * n + m:]).mean())
+    out.append(row)
+  return out
+
+
+# --- ablation -------------------------------------------------------------------------------------
+
+def parse_ablation(spec: str, config):
+  """`--ablate_chapters`: ("top", N) for `top:N`, or ("ids", [chapter ids]); ConfigError naming the fix."""
+  if not memory_layers(config):
+    raise ConfigError("--ablate_chapters: this model has no memory bank")
+  num_chapters = config.memory.num_chapters
+  fix = f"use comma-separated chapter ids in [0, {num_chapters}) or top:N"
+  spec = spec.strip()
+  if spec.startswith("top:"):
+    if not spec[4:].isdigit() or int(spec[4:]) < 1:
+      raise ConfigError(f"--ablate_chapters={spec!r}: N must be a positive integer — {fix}")
+    return "top", int(spec[4:])
+  try:
+    ids = [int(x) for x in spec.split(",") if x.strip()]
+  except ValueError:
+    ids = []
+  if not ids or any(not 0 <= c < num_chapters for c in ids):
+    raise ConfigError(f"--ablate_chapters={spec!r}: not a list of chapter ids in range — {fix}")
+  return "ids", ids
+
+
+def ablation_mask(parsed, usage: Usage):
+  """Chapters to zero [num_banks, num_chapters]: the ids in every bank, or per bank the N routable
+  chapters its memory layers selected most (only chapters selected at least once)."""
+  kind, value = parsed
+  mask = np.zeros((max(usage.banks) + 1, usage.counts.shape[1]), bool)
+  if kind == "ids":
+    mask[:, value] = True
+    return mask
+  for b in range(mask.shape[0]):
+    counts = usage.counts[[i for i, bank in enumerate(usage.banks) if bank == b]].sum(axis=0)
+    counts[:usage.num_shared] = 0
+    top = np.argsort(-counts, kind="stable")[:value]
+    mask[b, top[counts[top] > 0]] = True
+  return mask
+
+
+def zero_chapters(params, mask):
+  """params with bank chapters `mask` [banks, num_chapters] set to zero, in the device layout (padding
+  and sharding kept)."""
+  def zero(x):
+    full = np.zeros(x.shape[:2], bool)
+    full[:, :mask.shape[1]] = mask
+    return jax.jit(lambda x, m: jnp.where(m[:, :, None, None], jnp.zeros_like(x), x),
+                   out_shardings=x.sharding)(x, full)
+  return sharding.map_bank(lambda x, bank: zero(x) if bank else x, params)
+
+
+# --- plots ------------------------------------------------------------------------------------------
+
+def plot(usage: Usage, heatmap_path: str, histogram_path: str) -> None:
+  """A heatmap (memory layers x routable chapters sorted by total usage, colour = share of the layer's
+  routed selections) and a histogram of selections per chapter, one line per layer."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  s = usage.num_shared
+  routable = usage.counts[:, s:]
+  order = np.argsort(-routable.sum(axis=0), kind="stable")
+  share = routable[:, order] / np.maximum(routable.sum(axis=1, keepdims=True), 1)
+  fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(usage.layers)))
+  im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
+  ax.set_yticks(range(len(usage.layers)), [f"layer {layer}" for layer in usage.layers])
+  ax.set_xlabel(f"routable chapters ranked by total usage (of {routable.shape[1]}); {usage.decisions} decisions")
+  fig.colorbar(im, ax=ax, label="share of selections")
+  fig.tight_layout()
+  fig.savefig(heatmap_path, dpi=100)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  bins = np.histogram_bin_edges(routable, bins=min(40, int(routable.max()) + 1))
+  for layer, row in zip(usage.layers, routable):
+    ax.hist(row, bins=bins, histtype="step", label=f"layer {layer}: {int((row == 0).sum())} never selected")
+  ax.set_xlabel("selections of a chapter"), ax.set_ylabel("chapters"), ax.legend(), ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(histogram_path, dpi=100)
+  plt.close(fig)

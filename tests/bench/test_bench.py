@@ -1,0 +1,145 @@
+"""The benchmarks run end to end on tiny sizes and print one finite JSON line; MFU peaks and their cache.
+
+Smoke tests only: timings here are meaningless, docs/performance.md has the real runs.
+"""
+import json
+import math
+
+import jax
+import pytest
+
+from moc_jax.bench import (bank_scaling, common, cpu_peak, moc_vs_vanilla, routed_attention, train_mfu,
+                           xla_vs_analytic)
+from moc_jax.train import peaks
+
+TINY = "configs/moc.py:tiny"
+SEQ32 = ["--set", "data.seq_len=32", "--set", "model.max_seq_len=32"]
+# Two layers (one memory layer): compiling, not running, is what these tests spend their time on.
+SHORT = [*SEQ32, "--set", "model.num_layers=2", "--set", "memory.layer_indices=(1,)"]
+
+
+def _finite(tree, path="result"):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      _finite(v, f"{path}.{k}")
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      _finite(v, f"{path}[{i}]")
+  elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+    assert math.isfinite(tree), path
+
+
+def _run(module, argv, capsys):
+  result = module.main(argv)
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 1 and json.loads(lines[0]) == json.loads(json.dumps(result))  # tuples print as lists
+  _finite(result)
+  for key in ("name", "config", "goal", "pass", "environment"):
+    assert key in result
+  assert {"device_kind", "jax", "cores"} <= set(result["environment"])
+  return result
+
+
+@pytest.mark.slow  # the default suite keeps xla_vs_analytic as the harness's smoke test
+def test_train_mfu(capsys):
+  r = _run(train_mfu, [f"--config={TINY}", "--batch_size=2", "--steps=1", "--warmup=0", "--profile_reps=1",
+                       "--peak_sizes=128", *SHORT], capsys)
+  assert 0 < r["mfu"] < r["hfu"]
+  assert r["peak_source"].startswith("peaks.measure")
+  assert set(r["profile"]["components"]) == {"self_attention", "mlp", "memory", "head"}
+  assert r["profile"]["optimizer_s"] > 0
+
+
+@pytest.mark.slow
+def test_moc_vs_vanilla(capsys):
+  # SHORT fixes the depth, so the baseline here is the 2-layer vanilla model, not the iso-FLOP one.
+  r = _run(moc_vs_vanilla, [f"--config={TINY}", "--vanilla=configs/vanilla.py:tiny", "--batch_size=2",
+                            "--rounds=1", "--steps_per_round=1", *SHORT], capsys)
+  assert r["layers"] == {"moc": 2, "vanilla": 2} and r["flop_ratio"] > 1
+  assert r["time_over_flops"] == pytest.approx(r["time_ratio"] / r["flop_ratio"])
+
+
+def test_iso_vanilla_baseline():
+  assert moc_vs_vanilla.iso_vanilla("configs/moc.py:small") == "configs/vanilla.py:iso=small"
+  config, note = common.load(moc_vs_vanilla.iso_vanilla(TINY))
+  assert config.model.num_layers == 5 and note.startswith("configs/vanilla.py:iso=tiny: 5 layers")
+
+
+@pytest.mark.slow
+def test_bank_scaling(capsys):
+  r = _run(bank_scaling, [f"--config={TINY}", "--batch_size=2", "--sizes=1040,2080", "--rounds=1",
+                          "--optimizer_reps=1", *SHORT], capsys)
+  assert [s["chapters"] for s in r["sizes"]] == [65, 130]
+  assert r["sizes"][1]["bank_params"] == 2 * r["sizes"][0]["bank_params"]
+
+
+def test_xla_vs_analytic(capsys):
+  r = _run(xla_vs_analytic, [f"--config={TINY}", *SEQ32], capsys)  # 4 layers: 2 scanned groups
+  assert r["pass"], r["relative"]  # tiny's forward is as close to the estimator as the paper model's
+  assert r["xla_forward_scanned"] < r["xla_forward"]  # the loop body is counted once
+  assert set(r["components"]) == {"self_attention", "mlp", "memory", "head"}
+
+
+@pytest.mark.slow
+def test_routed_attention(capsys):
+  # The timed part on tiny's memory layer at 2 x 32 tokens (4 compiles), and one compile-only variant.
+  r = _run(routed_attention, ["--small_only", "--small_batch_size=2", "--small_seq_len=32", "--rounds=1",
+                              "--calls_per_round=2", "--warmup=1"], capsys)
+  small = r["small"]
+  assert "large" not in r and set(small["variants"]) == {"naive", "sequence", "token_xla", "prefix_xla"}
+  assert small["shape"]["tokens"] == 64 and small["shape"]["top_k"] == 8
+  assert all(v["finite"] and v["step"]["n"] == 2 and v["step"]["median_s"] > 0 for v in small["variants"].values())
+  med = {k: v["step"]["median_s"] for k, v in small["variants"].items()}
+  assert small["time_token_xla_over_sequence"] == pytest.approx(med["token_xla"] / med["sequence"])
+  assert small["time_naive_over_token_xla"] == pytest.approx(med["naive"] / med["token_xla"])
+  met = small["time_token_xla_over_sequence"] <= 2.0
+  assert r["goal_met"] == {"time_token_xla_over_sequence": met} and r["pass"] == met
+  assert routed_attention.meets("temp_naive_over_token_xla", 19.9) is False
+  assert routed_attention.meets("temp_token_xla_over_sequence", 1.5) is True
+  assert routed_attention.meets("temp_token_xla_over_sequence", None) is None
+  cfg = routed_attention.layer_config(TINY, "token", "xla")
+  c = routed_attention.compile_variant(cfg, 2, 32)
+  assert c["compiled"] and c["temp_bytes"] > 0 and c["argument_bytes"] > 0
+  big = c["largest_values"][0]  # tiny's bank: [65, 16, 64] float32, or something larger
+  assert big["bytes"] >= 65 * 16 * 64 * 4 and big["shape"].count(",") >= 1
+
+
+class _Device:
+  platform = "gpu"
+
+  def __init__(self, kind):
+    self.device_kind = kind
+
+
+@pytest.mark.parametrize("kind,peak", [
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12), ("TPU v5p", 459e12),
+    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA H100 PCIe", 756e12)])
+def test_table_peaks(monkeypatch, kind, peak):
+  monkeypatch.setattr(jax, "devices", lambda: [_Device(kind)])
+  value, source = peaks.device_peak_flops("bfloat16")
+  assert value == peak and source.startswith("table")
+  assert peaks.device_peak_flops("float32")[0] is None  # only bf16 is tabulated
+
+
+def test_unknown_device_has_no_peak(monkeypatch):
+  monkeypatch.setattr(jax, "devices", lambda: [_Device("Quantum Abacus 9000")])
+  value, reason = peaks.device_peak_flops()
+  assert value is None and "unknown" in reason
+
+
+def test_cpu_peak_cache_round_trip(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("MOC_JAX_CACHE_DIR", str(tmp_path))
+  record = peaks.peak("float32", sizes=(64,), reps=1)
+  assert record["flops_per_s"] > 0 and peaks.cache_path().startswith(str(tmp_path))
+  stored = json.load(open(peaks.cache_path()))
+  assert stored[peaks.cache_key("float32")] == record
+
+  def no_measuring(*args, **kwargs):
+    raise AssertionError("a cached peak must not be measured again")
+  monkeypatch.setattr(peaks, "measure", no_measuring)
+  assert peaks.peak("float32") == record
+  assert peaks.device_peak_flops("float32")[0] == record["flops_per_s"]  # this test runs on the CPU
+  out = cpu_peak.main(["--dtype=float32"])
+  assert json.loads(capsys.readouterr().out) == out
+  assert out["float32"]["gflops_per_s"] == pytest.approx(record["flops_per_s"] / 1e9)

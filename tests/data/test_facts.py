@@ -1,0 +1,96 @@
+"""The moc_facts corpus: deterministic, Zipf long tail, held-out paraphrases, probes, per-config cache."""
+import collections
+import os
+
+import numpy as np
+import pytest
+
+from moc_jax.config import data_config
+from moc_jax.data import load_probes
+from moc_jax.errors import DataError
+from moc_jax.data.facts import ATTRIBUTES, MocFactsConfig, facts_builder, generate
+
+
+def tiny_facts(**overrides):
+  facts = data_config().facts
+  facts.update({"num_entities": 60, "num_docs": 600, "num_val_docs": 40, **overrides})
+  return facts
+
+
+def _sentences(docs):
+  return {s for d in docs for s in d["text"].split(". ")}
+
+
+def test_generate_is_deterministic_and_seeded():
+  cfg = MocFactsConfig.for_sizes(tiny_facts())
+  assert generate(cfg) == generate(cfg)
+  other = generate(MocFactsConfig.for_sizes(tiny_facts(seed=1)))
+  assert other["train"] != generate(cfg)["train"]
+
+
+def test_zipf_long_tail():
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts(num_entities=500, num_docs=5000)))
+  counts = np.bincount([d["entity_rank"] for d in corpus["train"]], minlength=501)[1:]
+  assert counts[0] >= 20 * max(np.median(counts), 1)
+  assert counts[:10].sum() > 0.3 * counts.sum()
+  assert (counts <= 2).mean() > 0.3  # most entities are rare
+
+
+def test_paraphrase_split_is_held_out_wording_of_the_same_facts():
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts()))
+  assert not _sentences(corpus["train"]) & _sentences(corpus["paraphrase"])
+  for attr, (_, train_templates, val_template) in ATTRIBUTES.items():
+    assert val_template not in train_templates and val_template.endswith("{value}."), attr
+  facts = {(p["entity"], p["answer"]) for p in corpus["probes"]}
+  for split in ("validation", "paraphrase"):
+    for doc in corpus[split]:  # every value stated in held-out documents is the entity's true value
+      stated = [v for values, _, _ in ATTRIBUTES.values() for v in values if f" {v}." in doc["text"] + " "]
+      assert stated and all((doc["entity"], v) in facts for v in stated)
+
+
+def test_validation_uses_training_wording_in_new_documents():
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts()))
+  train_docs = {d["text"] for d in corpus["train"]}
+  facts = {(p["entity"], p["attribute"]): p["answer"] for p in corpus["probes"]}
+  for doc in corpus["validation"]:
+    allowed = {t.format(name=doc["entity"], value=facts[doc["entity"], a]).rstrip(".")
+               for a, (_, templates, _) in ATTRIBUTES.items() for t in templates}
+    assert {x.rstrip(".") for x in doc["text"].split(". ")} <= allowed, doc["text"]
+  assert sum(d["text"] not in train_docs for d in corpus["validation"]) > 0.5 * len(corpus["validation"])
+
+
+def test_probes(tmp_path):
+  c = data_config()
+  c.facts, c.data_dir = tiny_facts(probes_per_fact=2), str(tmp_path)
+  probes = load_probes(c)
+  assert len(probes) == 60 * len(ATTRIBUTES) * 2
+  train_counts = collections.Counter(d["entity_rank"] for d in generate(MocFactsConfig.for_sizes(c.facts))["train"])
+  for p in probes:
+    assert p["candidates"].count(p["answer"]) == 1
+    assert len(set(p["candidates"])) == len(p["candidates"]) == 4
+    assert set(p["candidates"]) <= set(ATTRIBUTES[p["attribute"]][0])
+    assert p["entity"] in p["prompt"] and not p["prompt"].endswith(" ")
+    assert p["doc_count"] == train_counts[p["entity_rank"]]
+  assert len({p["prompt"] for p in probes}) == len(probes)
+
+
+def test_builder_is_deterministic_and_cached_per_config(tmp_path):
+  facts = tiny_facts()
+  a = facts_builder(facts, str(tmp_path / "a"))
+  b = facts_builder(facts, str(tmp_path / "b"))
+  for split in ("train", "validation", "paraphrase", "probes"):
+    ra, rb = a.as_data_source(split), b.as_data_source(split)
+    assert len(ra) == len(rb) and all(ra[i] == rb[i] for i in range(0, len(ra), 37))
+  assert len(a.as_data_source("train")) == 600 and len(a.as_data_source("validation")) == 40
+  other = facts_builder(tiny_facts(seed=3), str(tmp_path / "a"))
+  assert other.data_dir != a.data_dir
+  assert sorted(os.listdir(tmp_path / "a" / "moc_facts")) == sorted(
+      [".e60_d600_v40_z1.1_s0_p1_c4.lock", ".e60_d600_v40_z1.1_s3_p1_c4.lock",
+       "e60_d600_v40_z1.1_s0_p1_c4", "e60_d600_v40_z1.1_s3_p1_c4"])
+
+
+@pytest.mark.parametrize("field, value", [("num_candidates", 1), ("num_candidates", 50), ("probes_per_fact", 5),
+                                          ("num_entities", 0)])
+def test_invalid_facts_config(field, value, tmp_path):
+  with pytest.raises(DataError, match=f"config.data.facts.{field}"):
+    facts_builder(tiny_facts(**{field: value}), str(tmp_path))

@@ -1,0 +1,255 @@
+"""Grain pipeline: batch format, layouts, determinism, resumption (incl. Orbax), sharding, malformed counting."""
+import json
+
+import numpy as np
+import pytest
+
+from moc_jax.config import data_config
+from moc_jax.data import make_eval_batches, make_train_iterator
+from moc_jax.errors import DataError
+from moc_jax.data.facts import facts_builder
+from moc_jax.data.prepare import prepare
+from moc_jax.data.sources import MANIFEST, text_example
+from moc_jax.data.tokenizers import get_tokenizer
+
+BYTE = get_tokenizer("byte")
+FACTS = {"num_entities": 40, "num_docs": 300, "num_val_docs": 30}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp("data"))
+  c = data_config()
+  c.facts.update(FACTS)
+  facts_builder(c.facts, root)
+  return root
+
+
+def _config(data_dir, **overrides):
+  c = data_config()
+  c.facts.update(FACTS)
+  c.data_dir, c.seq_len, c.batch_size = data_dir, 64, 4
+  c.update(overrides)
+  return c
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _equal(a, b):
+  return len(a) == len(b) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+                                  for x, y in zip(a, b))
+
+
+def _docs(data_dir, split):
+  """The split's documents as byte-token lists, in record order."""
+  records = facts_builder(_config(data_dir).facts, data_dir).as_data_source(split)
+  return [BYTE.encode(records[i]["text"].decode()) for i in range(len(records))]
+
+
+@pytest.mark.parametrize("layout, boundaries, extra", [("pack", "segment", {"segment_ids", "positions"}),
+                                                       ("pack", "eos", set()), ("pad_truncate", "segment", set())])
+def test_batch_format(data_dir, layout, boundaries, extra):
+  batch = next(make_train_iterator(_config(data_dir, layout=layout, pack_boundaries=boundaries)))
+  assert set(batch) == {"input_ids", "labels", "attention_mask", "n_malformed"} | extra
+  for k, v in batch.items():
+    assert v.dtype == np.int32 and v.shape == (() if k == "n_malformed" else (4, 64)), k
+
+
+@pytest.mark.parametrize("layout", ["pack", "pad_truncate"])
+def test_deterministic_by_seed(data_dir, layout):
+  a = _take(make_train_iterator(_config(data_dir, layout=layout)), 3)
+  b = _take(make_train_iterator(_config(data_dir, layout=layout)), 3)
+  c = _take(make_train_iterator(_config(data_dir, layout=layout, seed=1)), 3)
+  assert _equal(a, b) and not _equal(a, c)
+
+
+@pytest.mark.parametrize("layout, skip", [("pack", 3), ("pack", 0), ("pad_truncate", 5)])
+def test_resume_mid_epoch_from_json_state(data_dir, layout, skip):
+  c = _config(data_dir, layout=layout)
+  it = make_train_iterator(c)
+  _take(it, skip)
+  state = json.loads(json.dumps(it.get_state()))  # what grain.checkpoint writes
+  expected = _take(it, 4)
+  resumed = make_train_iterator(c)
+  resumed.set_state(state)
+  assert _equal(_take(resumed, 4), expected)
+
+
+def test_resume_through_orbax_checkpoint_manager(data_dir, tmp_path):
+  import grain
+  import orbax.checkpoint as ocp
+  c = _config(data_dir)
+  it = make_train_iterator(c)
+  _take(it, 2)
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data_iter",), options=options,
+                             item_handlers={"data_iter": grain.checkpoint.CheckpointHandler()}) as mngr:
+    mngr.save(2, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointSave(it)))
+  expected = _take(it, 3)
+  resumed = make_train_iterator(c)
+  with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("data_iter",),
+                             item_handlers={"data_iter": grain.checkpoint.CheckpointHandler()}) as mngr:
+    mngr.restore(mngr.latest_step(), args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointRestore(resumed)))
+  assert _equal(_take(resumed, 3), expected)
+
+
+def test_pad_truncate_matches_mocpt_layout(data_dir):
+  c = _config(data_dir, layout="pad_truncate")
+  batches = list(make_eval_batches(c))
+  rows = {k: np.concatenate([b[k] for b in batches]) for k in ("input_ids", "labels", "attention_mask")}
+  docs = _docs(data_dir, "validation")
+  assert len(rows["input_ids"]) == 32  # 30 documents + 2 fully masked rows padding the last batch
+  for i, doc in enumerate(docs):
+    n = min(len(doc), 64)
+    assert rows["input_ids"][i, :n].tolist() == doc[:n]  # truncated, no BOS/EOS
+    assert rows["labels"][i, :n].tolist() == doc[:n]
+    assert (rows["input_ids"][i, n:] == BYTE.pad_id).all() and (rows["labels"][i, n:] == -100).all()
+    assert rows["attention_mask"][i].tolist() == [1] * n + [0] * (64 - n)
+  assert (rows["attention_mask"][30:] == 0).all() and (rows["labels"][30:] == -100).all()
+
+
+def test_pack_segments_positions_and_labels(data_dir):
+  batches = list(make_eval_batches(_config(data_dir, layout="pack", pack_boundaries="segment")))
+  stream, label_stream = [], []
+  for b in batches:
+    for ids, labels, seg, pos, mask in zip(b["input_ids"], b["labels"], b["segment_ids"], b["positions"],
+                                           b["attention_mask"]):
+      real = mask.astype(bool)
+      assert (seg[real] >= 1).all() and (seg[~real] == 0).all() and (np.diff(seg[real]) >= 0).all()
+      assert seg[0] in (0, 1) and (np.diff(seg[real]) <= 1).all()
+      starts = np.flatnonzero(np.diff(seg, prepend=0) != 0)
+      for s, e in zip(starts, list(starts[1:]) + [int(real.sum())]):
+        assert pos[s:e].tolist() == list(range(e - s))  # positions restart in every segment
+        if s > 0:
+          assert labels[s] == -100  # a document's first token is not predicted from another document
+      stream += ids[real].tolist()
+      label_stream += labels[real].tolist()
+  docs = _docs(data_dir, "validation")
+  assert stream == [t for d in docs for t in d + [BYTE.eos_id]]  # every document once, in order, EOS-terminated
+  assert label_stream == [t for d in docs for t in [-100] + d[1:] + [BYTE.eos_id]]
+
+
+def test_pack_eos_is_plain_causal(data_dir):
+  batch = next(make_train_iterator(_config(data_dir, layout="pack", pack_boundaries="eos")))
+  assert (batch["labels"] == batch["input_ids"]).all() and (batch["attention_mask"] == 1).all()
+  assert (batch["input_ids"] == BYTE.eos_id).sum() >= 1
+
+
+def test_eval_batches_are_deterministic_and_bounded(data_dir):
+  c = _config(data_dir)
+  a, b = list(make_eval_batches(c)), list(make_eval_batches(c))
+  assert _equal(a, b) and _equal(list(make_eval_batches(c, max_batches=2)), a[:2])
+  assert a[-1]["attention_mask"][-1].sum() == 0 and (a[-1]["labels"][-1] == -100).all()
+  assert sum(int(x["n_malformed"]) for x in a) == 0
+
+
+def test_tfds_name_reads_a_prepared_dataset(data_dir):
+  config_name = facts_builder(_config(data_dir).facts, data_dir).builder_config.name
+  c = _config(data_dir, layout="pad_truncate")
+  via_tfds = _config(data_dir, layout="pad_truncate", name=f"tfds:moc_facts/{config_name}")
+  assert _equal(list(make_eval_batches(via_tfds)), list(make_eval_batches(c)))
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+  """An ArrayRecord dataset of 50 distinct documents 'document number i.' plus corrupt records."""
+  root = tmp_path_factory.mktemp("numbered")
+  (root / "docs.jsonl").write_text("".join(json.dumps({"text": f"document number {i}."}) + "\n" for i in range(50)))
+  out = str(root / "ar")
+  prepare([str(root / "docs.jsonl")], out, "byte")
+  prepare([str(root / "docs.jsonl")], out, "byte", split="validation")
+  return out
+
+
+def _texts(batches):
+  return [BYTE.decode(row[mask == 1]) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])]
+
+
+def test_processes_read_disjoint_records_covering_the_data(numbered, tmp_path):
+  c = _config(str(tmp_path), name=f"arrayrecord:{numbered}", layout="pad_truncate", batch_size=5)
+  seen = [_texts(_take(make_train_iterator(c, process_index=p, process_count=2), 5)) for p in range(2)]
+  assert len(set(seen[0])) == len(set(seen[1])) == 25 and not set(seen[0]) & set(seen[1])
+  assert set(seen[0]) | set(seen[1]) == {f"document number {i}." for i in range(50)}
+  one = _texts(_take(make_train_iterator(c), 10))
+  assert sorted(one) == sorted(seen[0] + seen[1])  # the two shards partition one process's epoch
+  with pytest.raises(DataError, match="process_index"):
+    make_train_iterator(c, process_index=2, process_count=2)
+
+
+def _record(text_or_ids):
+  ids = BYTE.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+  return np.asarray(ids, "<u2").tobytes()
+
+
+@pytest.fixture
+def corrupt(numbered, tmp_path):
+  """`numbered` plus a shard [valid, odd byte length, empty, out-of-vocab, valid, valid, out-of-vocab]."""
+  import shutil
+
+  from array_record.python.array_record_module import ArrayRecordWriter
+  out = tmp_path / "ar"
+  shutil.copytree(numbered, out)
+  writer = ArrayRecordWriter(str(out / "validation-extra.array_record"), "group_size:1")
+  for record in [_record("good A"), b"\x01\x02\x03", b"", _record([300]), _record("good B"), _record("good C"),
+                 _record([999])]:
+    writer.write(record)
+  writer.close()
+  manifest = json.loads((out / MANIFEST).read_text())
+  manifest["splits"]["validation"]["files"] = ["validation-extra.array_record"]
+  (out / MANIFEST).write_text(json.dumps(manifest))
+  return str(out)
+
+
+@pytest.mark.parametrize("layout", ["pack", "pad_truncate"])
+def test_malformed_records_are_skipped_and_counted(corrupt, tmp_path, layout):
+  c = _config(str(tmp_path), name=f"arrayrecord:{corrupt}", layout=layout, batch_size=1, shuffle=False)
+  batches = list(make_eval_batches(c, split="validation"))
+  assert sum(int(b["n_malformed"]) for b in batches) == 4
+  assert "".join(_texts(batches)) == "good Agood Bgood C"  # EOS ids decode to nothing
+  if layout == "pad_truncate":
+    assert _texts(batches) == ["good A", "good B", "good C"]
+    assert [int(b["n_malformed"]) for b in batches] == [0, 3, 1]  # the last one trails the final record
+
+
+def test_train_counts_malformed_per_batch(corrupt, tmp_path):
+  c = _config(str(tmp_path), name=f"arrayrecord:{corrupt}", layout="pad_truncate", batch_size=1, shuffle=False)
+  manifest = json.loads(open(f"{corrupt}/{MANIFEST}").read())
+  manifest["splits"]["train"] = manifest["splits"]["validation"]
+  open(f"{corrupt}/{MANIFEST}", "w").write(json.dumps(manifest))
+  batches = _take(make_train_iterator(c), 6)  # epoch 2 starts after the trailing corrupt record
+  assert _texts(batches) == ["good A", "good B", "good C"] * 2
+  assert [int(b["n_malformed"]) for b in batches] == [0, 3, 0, 1, 3, 0]
+
+
+@pytest.mark.parametrize("record", [{"text": ""}, {"text": "  \n"}, {"text": b"\xff\xfe"}, {"other": "x"},
+                                    {"text": 3}, {"text": None}, "not a dict"])
+def test_malformed_text_records(record):
+  assert text_example(record, field="text", tokenizer=BYTE) is None
+
+
+def test_text_record_bytes_and_str():
+  ids, labels = text_example({"text": "hé".encode()}, field="text", tokenizer=BYTE)
+  assert ids.tolist() == labels.tolist() == [104, 0xC3, 0xA9] and ids.dtype == np.int32
+
+
+@pytest.mark.parametrize("name, words", [
+    ("tfds:lm1b", ["'lm1b'", "tfds build lm1b", "--file_format=array_record"]),
+    ("tfds:no_such_dataset_xyz", ["no_such_dataset_xyz", "tfds build"]),
+    ("arrayrecord:/nonexistent/dir", ["/nonexistent/dir", "python -m moc_jax.data.prepare", "--output /nonexistent"]),
+    ("c4", ["'c4'", "moc_facts", "arrayrecord:<dir>"]),
+])
+def test_missing_dataset_is_one_clear_error(tmp_path, name, words):
+  with pytest.raises(DataError) as e:
+    make_train_iterator(_config(str(tmp_path), name=name))
+  for w in words:
+    assert w in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [("layout", "ragged"), ("pack_boundaries", "none"), ("seq_len", 0),
+                                          ("batch_size", -1), ("num_threads", -2), ("seed", -1),
+                                          ("chat_format", "llama")])
+def test_invalid_config_fields(data_dir, field, value):
+  with pytest.raises(DataError, match=f"config.data.{field}"):
+    make_train_iterator(_config(data_dir, **{field: value}))

@@ -1,0 +1,60 @@
+"""Tokenizers: byte-level ids and round trip; HF and SentencePiece tokenizers trained offline here."""
+import pytest
+
+from moc_jax.errors import DataError
+from moc_jax.data.tokenizers import _char_offsets_from_bytes, get_tokenizer
+
+def test_byte_ids_and_round_trip():
+  tok = get_tokenizer("byte")
+  assert (tok.vocab_size, tok.pad_id, tok.eos_id, tok.bos_id, tok.eot_id) == (260, 256, 257, 258, 259)
+  text = "Grüße, 世界! \n\t"
+  ids = tok.encode(text)
+  assert ids == list(text.encode("utf-8")) and max(ids) < 256
+  assert tok.decode(ids) == text
+  assert tok.decode([tok.bos_id, *ids, tok.eot_id, tok.eos_id, tok.pad_id]) == text  # specials are not text
+
+
+def test_byte_offsets_are_character_spans():
+  ids, offsets = get_tokenizer("byte").encode_with_offsets("aé")
+  assert ids == [97, 0xC3, 0xA9] and offsets == [(0, 1), (1, 2), (1, 2)]
+
+
+def test_char_offsets_from_bytes():
+  # "aé b": bytes a=0, é=1..3, ' '=3, b=4
+  assert _char_offsets_from_bytes("aé b", [(0, 1), (1, 3), (2, 3), (3, 5), (0, 0)]) == [
+      (0, 1), (1, 2), (1, 2), (2, 4), (0, 0)]
+
+
+def test_hf_tokenizer(hf_path):
+  tok = get_tokenizer(f"hf:{hf_path}")
+  assert tok.vocab_size == 300
+  assert tok.eos_id == 0 and tok.pad_id == tok.eos_id and tok.bos_id == tok.eos_id  # SmolLM2-style fallbacks
+  assert tok.eot_id == 2
+  text = "Héllo world, cats and dogs"
+  ids = tok.encode(text)
+  assert len(ids) < len(text) and tok.decode(ids) == text
+  ids, offsets = tok.encode_with_offsets("<|im_end|>world")
+  assert ids[0] == tok.eot_id and offsets[0] == (0, 10)
+
+
+def test_sentencepiece_tokenizer(sp_path):
+  tok = get_tokenizer(f"sp:{sp_path}")
+  assert tok.vocab_size == 60
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)
+  assert tok.eot_id == 4  # the user-defined <|im_end|> piece
+  text = "Héllo world about cats"
+  assert tok.decode(tok.encode(text)) == text
+  ids, offsets = tok.encode_with_offsets("é<|im_end|>")
+  assert tok.eot_id in ids and offsets[ids.index(tok.eot_id)] == (1, 11)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("hf:/nonexistent/tokenizer.json", ["/nonexistent/tokenizer.json", "backend_tokenizer.save"]),
+    ("sp:/nonexistent/tok.model", ["/nonexistent/tok.model", "SentencePieceTrainer"]),
+    ("wordpiece", ["'wordpiece'", "hf:"]),
+])
+def test_bad_tokenizer_spec_raises_data_error(spec, words):
+  with pytest.raises(DataError) as e:
+    get_tokenizer(spec)
+  for w in words:
+    assert w in str(e.value)

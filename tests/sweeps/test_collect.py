@@ -1,0 +1,143 @@
+"""launch/collect.py (moc_jax/sweep_report.py) on synthetic sweeps: run directories as training writes them
+(config.json, metrics.jsonl) whose final losses follow known power laws; the fits recover the exponents,
+failed and unstarted runs are listed, and the CSV, markdown and plots are written."""
+import csv
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import moc_jax
+from moc_jax import sweep_report, sweeps
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_sweep(sweep_dir, spec, sweep, loss, only=None, failed=(), unstarted=()):
+  """Writes what launch/sweep.py and the runs would: per point config.json and metrics.jsonl whose last
+  validation CE is loss(row) (row: train_flops, top_k, bank_tokens); `failed` points stop at step 1 with
+  exit 1, `unstarted` ones never ran."""
+  entries = []
+  for p in sweeps.plan(spec, sweep, only=only):
+    workdir = os.path.join(sweep_dir, p.name)
+    steps = p.config.train.steps
+    entry = {"name": p.name, "overrides": p.overrides, "workdir": workdir, "command": "", "status": "done",
+             "returncode": 0, "wall_s": 10.0, "attempts": 1, "steps": steps, "config": spec, "sweep": sweep}
+    entries.append(entry)
+    if p.name in unstarted:
+      entry.update(status="pending", returncode=None, wall_s=0.0, attempts=0)
+      continue
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(p.config.to_json_best_effort(indent=2, sort_keys=True))
+    rows = [{"step": 0, "split": "validation", "ce": 5.5}, {"step": 1, "loss": 5.0, "ce": 5.0}]
+    if p.name in failed:
+      entry.update(status="failed", returncode=1)
+    else:
+      mem = p.config.memory
+      x = {**sweeps.compute(p.config), "top_k": mem.top_k, "bank_tokens": mem.num_tokens}
+      rows.append({"step": steps, "split": "validation", "ce": loss(x), "probe_acc": 0.3, "probe_exact": 0.1})
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  sweeps.write_manifest(sweep_dir, entries)
+
+
+def test_power_law_exact_and_interval():
+  x = np.array([1e12, 3e12, 1e13, 3e13, 1e14])
+  law = sweep_report.fit_power_law(x, 7.0 * x ** -0.05)
+  assert law.b == pytest.approx(-0.05, abs=1e-12) and law.a == pytest.approx(7.0, rel=1e-9)
+  assert law.b_high - law.b_low == pytest.approx(0, abs=1e-9) and law.r2 == pytest.approx(1.0)
+  # The interval is the textbook one: slope standard error x Student's t with n - 2 degrees of freedom.
+  y = 7.0 * x ** -0.05 * np.exp([0.01, -0.02, 0.015, 0.0, -0.01])
+  law, ref = sweep_report.fit_power_law(x, y), stats.linregress(np.log(x), np.log(y))
+  half = stats.t.ppf(0.975, 3) * ref.stderr
+  assert (law.b, law.b_low, law.b_high) == pytest.approx((ref.slope, ref.slope - half, ref.slope + half), rel=1e-9)
+  assert math.isnan(sweep_report.fit_power_law(x[:2], y[:2]).b_low)  # two points: no interval
+  with pytest.raises(ValueError):
+    sweep_report.fit_power_law([3.0, 3.0], [1.0, 2.0])
+
+
+def test_noisy_power_law_interval_covers_the_exponent():
+  rng = np.random.default_rng(0)
+  covered = 0
+  for _ in range(200):
+    x = np.geomspace(1e12, 1e15, 12)
+    law = sweep_report.fit_power_law(x, 4.0 * x ** -0.08 * np.exp(rng.normal(0, 0.02, x.size)))
+    assert abs(law.b + 0.08) < 0.02
+    covered += law.b_low <= -0.08 <= law.b_high
+  assert 0.9 <= covered / 200 <= 0.99  # a 95% interval
+
+
+def test_collect_recovers_known_exponents_and_lists_failures(tmp_path):
+  """topk x bank grid with loss = 3·k^-0.1·bank^-0.03 exactly: every top-k fit (at a fixed bank) recovers
+  -0.1 and every bank fit (at a fixed k) -0.03; one failed and one unstarted run are listed, not fitted."""
+  sweep_dir = str(tmp_path / "grid")
+  only = [f"k{k}-bank{b}" for k in (1, 4, 8) for b in (144, 528, 1040)]
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "topk_bank",
+             lambda r: 3.0 * r["top_k"] ** -0.1 * r["bank_tokens"] ** -0.03, only=[*only, "k2-bank144", "k2-bank528"],
+             failed=["k2-bank144"], unstarted=["k2-bank528"])
+  out = tmp_path / "report"
+  text = sweep_report.collect(sweep_dir, str(out))
+  rows = {r["run"]: r for r in csv.DictReader(open(out / "results.csv"))}
+  assert len(rows) == 11 and rows["k2-bank144"]["status"] == "failed" and rows["k2-bank528"]["status"] == "pending"
+  assert rows["k2-bank144"]["val_ce"] == "" and rows["k8-bank528"]["status"] == "done"
+  assert float(rows["k8-bank528"]["val_ce"]) == pytest.approx(3.0 * 8 ** -0.1 * 528 ** -0.03)
+  fits = {(f["fit"], f["group"]): f for f in sweep_report.fits(sweep_report.run_rows(sweep_dir))}
+  for bank in (144, 528, 1040):
+    law = fits[("top_k", f"bank{bank}")]["law"]
+    assert law.n == 3 and law.b == pytest.approx(-0.1, abs=1e-9)
+  for k in (1, 4, 8):
+    assert fits[("bank", f"k{k}")]["law"].b == pytest.approx(-0.03, abs=1e-9)
+    assert fits[("bank", f"k{k}")]["compute_spread"] < 1e-3  # the bank only widens the router
+  assert "k2-bank144" not in fits[("compute", "moc")]["runs"] and fits[("compute", "moc")]["law"].n == 9
+  assert "- k2-bank144: failed, exit 1, reached step 1 of 900; log" in text
+  assert "- k2-bank528: pending, no config.json; log" in text
+  assert "| top_k | bank528 | 3 | -0.1000 |" in text
+  assert {p.name for p in out.iterdir()} == {"results.csv", "results.md", "loss_vs_compute.png", "loss_vs_bank.png",
+                                             "loss_vs_top_k.png"}
+  assert (out / "results.md").read_text() == text
+
+
+def test_collect_compute_fit_and_parameters(tmp_path):
+  """The demo grid (steps x (banks + backbone)) with loss = 9·C^-0.06 exactly in training FLOPs C, as the estimator counts
+  them on each run's config.json; parameters as count_params; the CLI prints the same table."""
+  sweep_dir = str(tmp_path / "demo")
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "demo", lambda r: 9.0 * r["train_flops"] ** -0.06)
+  rows = {r["run"]: r for r in sweep_report.run_rows(sweep_dir)}
+  laws = {f["group"]: f["law"] for f in sweep_report.fits(list(rows.values())) if f["fit"] == "compute"}
+  assert (laws["moc"].n, laws["dense"].n) == (9, 3)  # the demo's backbone runs are fitted on their own
+  for law in laws.values():
+    assert law.b == pytest.approx(-0.06, abs=1e-9) and law.b_high - law.b_low < 1e-9
+  row = rows["bank528-steps112"]
+  config = moc_jax.load_config("configs/moc.py:tiny", {"memory.num_tokens": 528, "memory.num_chapters": 33,
+                                                       "train.steps": 112})
+  counts = moc_jax.count_params(config)
+  assert row["tokens"] == 112 * 32 * 128 and row["params_total"] == counts["total"]
+  assert row["params_active"] == counts["total"] - counts["bank"] + (1 + 8) * 16 * 64  # 9 chapters read of 16 x d 64
+  assert row["train_flops"] == pytest.approx(moc_jax.flops.model_flops_per_token(config) * 112 * 32 * 128)
+  spec = importlib.util.spec_from_file_location("collect_cli", ROOT / "launch" / "collect.py")
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  assert cli.main([sweep_dir]) == 0
+  assert (Path(sweep_dir) / "loss_vs_compute.png").stat().st_size > 1000
+  assert cli.main([str(tmp_path / "nothing")]) == 2
+
+
+def test_collect_iso_flop_fits_each_kind(tmp_path):
+  """Vanilla runs (memory off) are `dense`, with no top-k or bank and all their parameters active; the
+  compute law is fitted per kind."""
+  sweep_dir = str(tmp_path / "iso")
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "iso_flop", lambda r: 2.0 * r["train_flops"] ** -0.02,
+             only=["dense", "k1", "dense-mlp224", "k64", "dense-mlp768"])
+  rows = {r["run"]: r for r in sweep_report.run_rows(sweep_dir)}
+  assert {n: r["kind"] for n, r in rows.items()} == {"dense": "dense", "k1": "moc", "dense-mlp224": "dense",
+                                                     "k64": "moc", "dense-mlp768": "dense"}
+  assert "top_k" not in rows["dense"] and rows["dense"]["params_active"] == rows["dense"]["params_total"]
+  assert rows["dense-mlp768"]["flops_per_token"] == pytest.approx(rows["k64"]["flops_per_token"], rel=1e-3)
+  laws = {f["group"]: f["law"] for f in sweep_report.fits(list(rows.values())) if f["fit"] == "compute"}
+  assert laws["moc"].n == 2 and laws["dense"].n == 3 and laws["dense"].b == pytest.approx(-0.02, abs=1e-9)

@@ -1,0 +1,285 @@
+"""Sweeps (configs/moc.py get_sweep, moc_jax/sweeps.py, launch/sweep.py): every point of every sweep valid
+for every model, overrides applied as moc_jax.main's flags, names, iso-FLOP baselines, the commands each
+backend's --dry-run prints (checked against the launch scripts' own --dry-run), and idempotent re-launch."""
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import moc_jax
+from moc_jax import flops, sweeps
+from moc_jax.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ("tiny", "small", "262k", "tiny,runlocal")
+SWEEP_NAMES = ("topk", "bank", "topk_bank", "iso_flop", "demo")
+
+
+def _cli():
+  spec = importlib.util.spec_from_file_location("sweep_cli", ROOT / "launch" / "sweep.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def dry_run(capsys, *args):
+  assert _cli().main([*args, "--dry-run"]) == 0
+  out = capsys.readouterr().out
+  return out, [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_point_of_every_sweep_validates(model):
+  for sweep in SWEEP_NAMES:
+    points = sweeps.plan(f"configs/moc.py:{model}", sweep)  # resolves and validates each: raises otherwise
+    assert len({p.name for p in points}) == len(points) >= 3, (model, sweep)
+    for p in points:
+      mem = p.config.memory
+      assert mem.top_k <= mem.num_chapters - mem.num_shared and mem.num_tokens % mem.num_chapters == 0
+
+
+def test_sweeps_scale_with_the_model():
+  def values(model, sweep, key):
+    return [p.overrides[key] for p in sweeps.plan(f"configs/moc.py:{model}", sweep)]
+
+  for model in ("tiny", "262k"):
+    assert values(model, "topk", "memory.top_k") == [1, 2, 4, 8, 16, 32, 64]
+  # The paper's bank range at its k·T = 64·64 read; tiny's at 8·16.
+  assert values("262k", "bank", "memory.num_tokens") == [4160, 8256, 16448, 32832, 65600, 131136, 262208]
+  assert values("tiny", "bank", "memory.num_tokens") == [144, 272, 528, 1040]
+  assert len(sweeps.plan("configs/moc.py:262k", "topk_bank")) == 49
+  tiny = sweeps.plan("configs/moc.py:tiny", "topk_bank")
+  assert len(tiny) == 4 + 5 + 6 + 7 and "k8-bank144" in {p.name for p in tiny}  # k <= routable chapters
+  demo = sweeps.plan("configs/moc.py:tiny", "demo")
+  assert [p.name for p in demo][:3] == ["bank144-steps56", "bank144-steps112", "bank144-steps225"]
+  assert len(demo) == 12 and [p.name for p in demo][-3:] == ["dense-steps56", "dense-steps112", "dense-steps225"]
+  assert not demo[-1].config.memory.enabled
+  # The paper model's demo scales the decay start with the steps.
+  assert sweeps.plan("configs/moc.py:262k", "demo")[0].config.train.decay_start_step == 8160 // 16
+
+
+def test_overrides_resolve_exactly_as_load_config():
+  overrides = {"memory.layer_indices": (3,), "memory.routing": "token", "train.base_lr": 1e-3,
+               "memory.enabled": True, "model.mlp_dim": 256, "memory.routed_scaling_factor": 2.0}
+  resolved = sweeps.resolve("configs/moc.py:tiny", overrides)
+  assert resolved.to_dict() == moc_jax.load_config("configs/moc.py:tiny", overrides).to_dict()
+  assert sweeps.config_flags(overrides)[:3] == ["--config.memory.layer_indices=(3,)",
+                                                "--config.memory.routing=token", "--config.train.base_lr=0.001"]
+  with pytest.raises(ConfigError, match="memory.no_such_field"):
+    sweeps.resolve("configs/moc.py:tiny", {"memory.no_such_field": 1})
+
+
+def test_run_names():
+  assert sweeps.run_name({"memory.top_k": 8, "memory.num_chapters": 65, "memory.num_tokens": 1040}) == "k8-bank1040"
+  assert sweeps.run_name({"memory.enabled": False, "memory.placement": "none", "model.mlp_dim": 224}) == "dense-mlp224"
+  assert sweeps.run_name({"train.steps": 56, "train.decay_start_step": 40}) == "steps56"
+  assert sweeps.run_name({"memory.layer_indices": (1, 3), "train.base_lr": 0.003}) == "layer_indices1_3-base_lr0.003"
+  assert sweeps.run_name({}) == "base"
+  assert sweeps.default_name("configs/moc.py:tiny,runlocal", "topk") == "moc-tiny_runlocal-topk"
+
+
+@pytest.mark.parametrize("model", ["tiny", "small", "262k"])
+def test_iso_flop_vanilla_is_the_closest_width(model):
+  """Each vanilla point's SwiGLU width is the multiple of 16 whose FLOPs/token are nearest its MoC point's."""
+  points = sweeps.plan(f"configs/moc.py:{model}", "iso_flop")
+  assert points[0].name == "dense" and not sweeps.is_moc(points[0].config)
+  assert points[0].config.model.mlp_dim == moc_jax.load_config(f"configs/moc.py:{model}").model.mlp_dim
+  pairs = list(zip(points[1::2], points[2::2]))
+  assert [m.name for m, _ in pairs] == [f"k{k}" for k in (1, 2, 4, 8, 16, 32, 64)]
+  for moc, dense in pairs:
+    goal = flops.model_flops_per_token(moc.config)
+
+    def miss(width, dense=dense, goal=goal):
+      c = dense.config.copy_and_resolve_references()
+      c.model.mlp_dim = width
+      return abs(flops.model_flops_per_token(c) / goal - 1)
+
+    width = dense.config.model.mlp_dim
+    assert width % 16 == 0 and miss(width) <= min(miss(width - 16), miss(width + 16))
+    assert miss(width) < 0.02, (moc.name, dense.name, miss(width))
+
+
+def test_plan_extra_overrides_and_errors():
+  with pytest.raises(ConfigError, match="unknown sweep"):
+    sweeps.plan("configs/moc.py:tiny", "nope")
+  with pytest.raises(ConfigError, match="defines no sweeps"):
+    sweeps.plan("configs/vanilla.py:tiny", "topk")
+  # Command-line overrides change the config the sweep is built from: banks from top-4 reads.
+  assert [p.name for p in sweeps.plan("configs/moc.py:tiny", "bank", {"memory.top_k": "4"})] == [
+      "bank80", "bank144", "bank272", "bank528", "bank1040"]
+  with pytest.raises(ConfigError, match="set by sweep topk itself"):
+    sweeps.plan("configs/moc.py:tiny", "topk", {"memory.top_k": "3"})
+  with pytest.raises(ConfigError, match="no points"):
+    sweeps.plan("configs/moc.py:tiny", "topk", only=["k3"])
+
+
+# ---------------------------------------------------------------------------------------------------- dry runs
+
+def test_local_dry_run(capsys, tmp_path):
+  out, cmds = dry_run(capsys, "--config=configs/moc.py:tiny", "--sweep=topk", f"--root={tmp_path}",
+                      "--config.name=my run")
+  assert len(cmds) == 7 and out.count("model FLOPs/token") == 7
+  workdir = tmp_path / "moc-tiny-topk" / "k4"
+  assert cmds[2] == [sys.executable, "-m", "moc_jax.main", "--config=configs/moc.py:tiny", f"--workdir={workdir}",
+                     "--config.memory.top_k=4", "--config.name=my run"]
+  assert not (tmp_path / "moc-tiny-topk").exists()  # a dry run writes nothing
+
+
+def test_tpu_pod_dry_run_goes_through_tpu_pod_sh(capsys, tmp_path):
+  _, cmds = dry_run(capsys, "--config=configs/moc.py:262k", "--sweep=bank", "--backend=tpu_pod", f"--root={tmp_path}",
+                    "--backend_args=--name moc --zone us-east5-a")
+  assert len(cmds) == 2 * 7
+  run, logs = cmds[:2]
+  workdir = str(tmp_path / "moc-262k-bank" / "bank4160")
+  main_args = ["--config=configs/moc.py:262k", f"--workdir={workdir}", "--config.memory.num_chapters=65",
+               "--config.memory.num_tokens=4160"]
+  assert run == ["launch/tpu_pod.sh", "run", "--name", "moc", "--zone", "us-east5-a", "--", *main_args]
+  # The script accepts the line and runs moc_jax.main with exactly those arguments on every worker.
+  printed = _script_dry_run(run[0], [run[1], "--dry-run", *run[2:]])
+  remote = printed[0][printed[0].index("--command") + 1]
+  assert "--worker=all" in printed[0]
+  assert shlex.split(remote)[3:] == [".venv/bin/python", "-m", "moc_jax.main", "--distributed", *main_args]
+  # logs copies the run's files into its local workdir.
+  assert logs[:2] == ["launch/tpu_pod.sh", "logs"]
+  mkdir, scp = _script_dry_run(logs[0], [logs[1], "--dry-run", *logs[2:]])
+  sources = [w for w in scp if w.startswith("moc:")]
+  assert mkdir == ["mkdir", "-p", workdir] and f"moc:{workdir}/metrics.jsonl" in sources
+  assert scp[scp.index(sources[-1]) + 1] == workdir + "/"
+
+
+def test_slurm_dry_run_goes_through_slurm_gpu_sbatch(capsys, tmp_path):
+  _, cmds = dry_run(capsys, "--config=configs/moc.py:262k", "--sweep=topk", "--backend=slurm", f"--root={tmp_path}",
+                    "--backend_args=--nodes=2 --time=4:00:00")
+  assert len(cmds) == 7
+  workdir = str(tmp_path / "moc-262k-topk" / "k64")
+  main_args = ["--config=configs/moc.py:262k", f"--workdir={workdir}", "--config.memory.top_k=64"]
+  assert cmds[-1] == ["sbatch", "--wait", f"--output={workdir}/slurm-%j.out", "--nodes=2", "--time=4:00:00",
+                      "launch/slurm_gpu.sbatch", "--", *main_args]
+  # What the job would run: the script's own dry run on two nodes.
+  script = cmds[-1].index("launch/slurm_gpu.sbatch")
+  _, srun = _script_dry_run(cmds[-1][script], ["--dry-run", "--nodelist", "a,b", *cmds[-1][script + 1:]])
+  assert srun[srun.index("-m") + 1:] == ["moc_jax.main", "--coordinator_address=a:12355", "--num_processes=16",
+                                         *main_args]
+
+
+def _script_dry_run(script, args):
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TPU_", "MOC_"))}
+  r = subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30, check=True)
+  return [shlex.split(line) for line in r.stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+# ---------------------------------------------------------------------------------------------------- launching
+
+FAKE_MAIN = textwrap.dedent("""
+    import json, os, signal, sys, time
+    workdir, steps = sys.argv[1], int(sys.argv[2])
+    name = os.path.basename(workdir)
+    with open(os.environ["CALLS"], "a") as f:
+      f.write(name + "\\n")
+    if name in os.environ.get("FAIL", "").split(","):
+      print("boom", file=sys.stderr)
+      sys.exit(3)
+    if name in os.environ.get("SLOW", "").split(","):  # stopped by SIGTERM, as moc_jax.main: exit 0, unfinished
+      signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+      print("started", flush=True)
+      time.sleep(60)
+    os.makedirs(os.path.join(workdir, "checkpoints", str(steps)))
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+      f.write(json.dumps({"step": steps, "split": "validation", "ce": 1.0}) + "\\n")
+    """)
+
+
+@pytest.fixture
+def fake_backend(tmp_path, monkeypatch):
+  """The local backend with moc_jax.main replaced by a script that records its call and finishes the run
+  (writes the last evaluation and checkpoint), or exits 3 for the points named in $FAIL, or waits for
+  SIGTERM for those in $SLOW."""
+  script = tmp_path / "fake_main.py"
+  script.write_text(FAKE_MAIN)
+  monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
+  monkeypatch.setattr(sweeps, "commands", lambda backend, spec, point, workdir, backend_args, launch_dir: [
+      [sys.executable, str(script), workdir, str(point.config.train.steps)]])
+  return lambda: (tmp_path / "calls").read_text().split()
+
+
+def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, monkeypatch, fake_backend, capsys):
+  spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
+  points = sweeps.plan(spec, "topk", only=["k1", "k2", "k4"])
+  # k4 was interrupted at step 300: it holds a checkpoint and no final evaluation.
+  os.makedirs(os.path.join(sweep_dir, "k4", "checkpoints", "300"))
+  monkeypatch.setenv("FAIL", "k2")
+  launcher = sweeps.Launcher(sweep_dir, spec, "topk", points)
+  launcher.describe()
+  assert "# k4: moc" in capsys.readouterr().out.split("resumes from step 300")[0]
+  assert launcher.run(parallel=2) == {"done": 2, "failed": 1}
+  assert sorted(fake_backend()) == ["k1", "k2", "k4"]
+  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  assert [manifest[n]["status"] for n in ("k1", "k2", "k4")] == ["done", "failed", "done"]
+  assert manifest["k2"]["returncode"] == 3 and manifest["k1"]["returncode"] == 0
+  assert manifest["k1"]["overrides"] == {"memory.top_k": 1} and manifest["k1"]["attempts"] == 1
+  assert manifest["k1"]["wall_s"] >= 0 and manifest["k1"]["workdir"] == os.path.join(sweep_dir, "k1")
+  assert "boom" in (Path(sweep_dir) / "k2" / sweeps.LOG).read_text()
+  # Re-launch: only the failed point runs again; its attempts accumulate.
+  monkeypatch.setenv("FAIL", "")
+  assert sweeps.Launcher(sweep_dir, spec, "topk", points).run() == {"done": 3}
+  assert sorted(fake_backend()) == ["k1", "k2", "k2", "k4"]
+  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  assert manifest["k2"]["attempts"] == 2 and manifest["k2"]["status"] == "done"
+  # The same directory refuses another sweep.
+  with pytest.raises(ConfigError, match="another --name"):
+    sweeps.Launcher(sweep_dir, spec, "bank", sweeps.plan(spec, "bank"))
+
+
+def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypatch, fake_backend, capsys):
+  spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
+  monkeypatch.setenv("SLOW", "k1")
+  launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1", "k2"]))
+
+  def interrupt_once_started():
+    log = Path(sweep_dir) / "k1" / sweeps.LOG
+    while not (log.exists() and "started" in log.read_text()):
+      time.sleep(0.05)
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C reaches the sweep (the point runs in its own session)
+
+  threading.Thread(target=interrupt_once_started, daemon=True).start()
+  assert launcher.run() == {"pending": 2}
+  assert fake_backend() == ["k1"]  # k2 never started
+  assert "interrupted" in capsys.readouterr().out
+  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  assert manifest["k1"]["attempts"] == 1 and manifest["k2"]["attempts"] == 0
+
+
+def test_finished_needs_the_last_evaluation_and_checkpoint(tmp_path):
+  workdir = str(tmp_path)
+  rows = [{"step": 10, "loss": 1.0}, {"step": 10, "split": "validation", "ce": 2.0}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2')
+  assert sweeps.final_eval(workdir, 10)["ce"] == 2.0 and sweeps.final_eval(workdir, 20) is None
+  assert sweeps.finished(workdir, 10)  # logs copied from a pod: no checkpoints/ here
+  os.makedirs(tmp_path / "checkpoints" / "5")
+  os.makedirs(tmp_path / "checkpoints" / "10.orbax-checkpoint-tmp-1")  # a save cut by a kill
+  assert not sweeps.finished(workdir, 10) and sweeps.latest_checkpoint(workdir) == 5
+  os.makedirs(tmp_path / "checkpoints" / "10")
+  assert sweeps.finished(workdir, 10)
+
+
+@pytest.mark.slow
+def test_local_sweep_trains_and_collects(tmp_path):
+  """Two real tiny points (3 steps each) through launch/sweep.py, then again: nothing re-runs."""
+  args = [sys.executable, "launch/sweep.py", "--config=configs/moc.py:tiny,runlocal", "--sweep=topk",
+          "--only=k1,k2", f"--root={tmp_path}", "--parallel=2"]
+  r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stdout + r.stderr
+  sweep_dir = tmp_path / "moc-tiny_runlocal-topk"
+  assert [e["status"] for e in sweeps.read_manifest(str(sweep_dir))] == ["done", "done"]
+  assert (sweep_dir / "results.csv").exists() and "| k2 | done | moc | 2 |" in r.stdout
+  r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert "2 of 2 points done, running 0" in r.stdout

@@ -1,0 +1,149 @@
+"""Schedules against MoC-PT's schedule table (docs/mocpt_semantics.md#lr-schedules), parameter-group LRs, AdamW semantics, frozen banks."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import moc_jax
+from moc_jax import optim
+
+
+def _train_cfg(**kw):
+  c = moc_jax.load_config("configs/moc.py:tiny", {"model.compute_dtype": "float32", **kw})
+  return c
+
+
+def test_wsd_matches_reference_table():
+  """Paper run: W=250, D=8160, N=9600, r=0.1 (the values MoC-PT's LambdaLR produces)."""
+  t = _train_cfg(**{"train.steps": 9600, "train.warmup_steps": 250, "train.decay_start_step": 8160}).train
+  lam = optim.schedule_multiplier(t)
+  table = {0: 0.0, 1: 0.004, 125: 0.5, 249: 0.996, 250: 1.0, 4000: 1.0, 8160: 1.0, 8520: 0.868198,
+           8880: 0.55, 9240: 0.231802, 9599: 0.100001}
+  for s, want in table.items():
+    assert float(lam(s)) == pytest.approx(want, abs=2e-6), s
+
+
+def _hand_lambda(kind, s, W, N, D, r):
+  """Independent transcription of MoC-PT's λ(s) in float64."""
+  if kind == "constant":
+    return 1.0
+  if s < W:
+    return s / W
+  if kind == "linear":
+    return max(0.0, (N - s) / (N - W))
+  D = W if kind == "cosine" else D
+  if s < D:
+    return 1.0
+  return r + (1 - r) * 0.5 * (1 + np.cos(np.pi * (s - D) / (N - D)))
+
+
+@pytest.mark.parametrize("kind", ["wsd", "cosine", "linear", "constant"])
+def test_schedules_against_hand_formula(kind):
+  rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+  N, W = int(rng.integers(200, 2000)), int(rng.integers(1, 100))
+  D = int(rng.integers(W, N))
+  t = _train_cfg(**{"train.schedule": kind, "train.steps": N, "train.warmup_steps": W,
+                    "train.decay_start_step": D, "train.min_lr_ratio": 0.1}).train
+  lam = optim.schedule_multiplier(t)
+  for s in rng.integers(0, N, 50):
+    assert float(lam(int(s))) == pytest.approx(_hand_lambda(kind, int(s), W, N, D, 0.1), abs=1e-5)
+
+
+def test_decay_start_ratio_and_defaults():
+  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": 0.85}).train
+  assert optim.decay_start_step(t) == 850
+  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": None}).train
+  assert optim.decay_start_step(t) == 10
+  t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": 0.5,
+                    "train.decay_start_step": 700}).train
+  assert optim.decay_start_step(t) == 700  # the step wins over the ratio (MoC-PT)
+
+
+def _one_update(config, grads_scale=1.0, steps=2):
+  model = moc_jax.build_model(config)
+  _, params = nnx.split(model, nnx.Param)
+  tx = optim.make_optimizer(config.train, params)
+  opt = tx.init(params)
+  key = jax.random.key(1)
+  history = [params]
+  for _ in range(steps):
+    key, sub = jax.random.split(key)
+    leaves, treedef = jax.tree.flatten(params)
+    noise = [grads_scale * jax.random.normal(k, x.shape) for k, x in
+             zip(jax.random.split(sub, len(leaves)), leaves)]
+    grads = jax.tree.unflatten(treedef, noise)
+    updates, opt = tx.update(grads, opt, params)
+    params = optax.apply_updates(params, updates)
+    history.append(params)
+  return history, opt, tx
+
+
+def _by_group(params):
+  out = {}
+  for path, v in nnx.to_flat_state(params):
+    out.setdefault(moc_jax.param_groups(path), []).append((path, np.asarray(v[...] if hasattr(v, "__getitem__") else v)))
+  return out
+
+
+def test_first_update_has_zero_lr_and_groups_use_their_lr():
+  """λ(0)=0: update 1 changes nothing except weight decay at lr 0 (i.e. nothing); update 2 uses λ(1)."""
+  c = _train_cfg(**{"train.warmup_steps": 10, "train.base_lr": 1e-3, "train.memory_lr": 4e-3,
+                    "train.bank_lr": 2e-3, "train.clip_norm": 0.0, "train.weight_decay": 0.0})
+  hist, _, _ = _one_update(c, steps=2)
+  p0, p1, p2 = (_by_group(h) for h in hist)
+  for g in p0:
+    for (_, a), (_, b) in zip(p0[g], p1[g]):
+      np.testing.assert_array_equal(a, b)
+  # Second update uses λ(1). After two Adam steps with (b1, b2) = (0.9, 0.95), Cauchy-Schwarz bounds
+  # |m_hat|/sqrt(v_hat) by sqrt(sum a_i^2/b_i) = 1.0004 (a, b: the bias-corrected EMA weights).
+  lam1 = 1 / 10
+  a = np.array([0.9 * 0.1, 0.1]) / 0.19
+  b = np.array([0.95 * 0.05, 0.05]) / 0.0975
+  bound = np.sqrt(np.sum(a * a / b))
+  for g, lr in {"base": 1e-3, "memory": 4e-3, "bank": 2e-3}.items():
+    # float32 storage rounds p + delta to the parameter's ulp, hence the spacing term.
+    excess = np.concatenate([(np.abs(b - a) - np.spacing(np.abs(a))).ravel() for (_, a), (_, b) in zip(p1[g], p2[g])])
+    deltas = np.concatenate([np.abs(b - a).ravel() for (_, a), (_, b) in zip(p1[g], p2[g])])
+    assert excess.max() <= lr * lam1 * bound, g
+    assert deltas.max() >= 0.5 * lr * lam1, g
+
+
+def test_bank_lr_zero_keeps_bank_bit_identical_but_clips_with_it():
+  c = _train_cfg(**{"train.bank_lr": 0.0, "train.warmup_steps": 1})
+  hist, opt, _ = _one_update(c, steps=3)
+  for (_, a), (_, b) in zip(_by_group(hist[0])["bank"], _by_group(hist[-1])["bank"]):
+    np.testing.assert_array_equal(a, b)
+  moved = [np.any(a != b) for (_, a), (_, b) in zip(_by_group(hist[0])["base"], _by_group(hist[-1])["base"])]
+  assert all(moved)
+
+
+def test_freeze_bank_has_no_adam_state_for_the_bank():
+  c_frozen = _train_cfg(**{"train.freeze_bank": True, "train.warmup_steps": 1})
+  c_lr0 = _train_cfg(**{"train.bank_lr": 0.0, "train.warmup_steps": 1})
+  hist, opt_frozen, _ = _one_update(c_frozen, steps=2)
+  _, opt_lr0, _ = _one_update(c_lr0, steps=2)
+  size = lambda tree: sum(x.size for x in jax.tree.leaves(tree) if x.ndim)  # moments, not step counters
+  bank = moc_jax.count_params(c_frozen)["bank"]
+  assert size(opt_lr0) - size(opt_frozen) == 2 * bank  # Adam mu and nu of the bank
+  for (_, a), (_, b) in zip(_by_group(hist[0])["bank"], _by_group(hist[-1])["bank"]):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_decoupled_weight_decay_matches_torch_adamw():
+  """One hand-computed AdamW step (torch semantics: p -= lr*wd*p; p -= lr*m_hat/(sqrt(v_hat)+eps))."""
+  c = _train_cfg(**{"train.schedule": "constant", "train.base_lr": 1e-2, "train.memory_lr": 1e-2,
+                    "train.clip_norm": 0.0, "train.weight_decay": 0.1})
+  model = moc_jax.build_model(c)
+  _, params = nnx.split(model, nnx.Param)
+  tx = optim.make_optimizer(c.train, params)
+  opt = tx.init(params)
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+  updates, _ = tx.update(grads, opt, params)
+  new = optax.apply_updates(params, updates)
+  p = np.asarray(params["final_norm"]["scale"][...], np.float64)
+  g = 0.5
+  m_hat, v_hat = g, g * g
+  want = p - 1e-2 * 0.1 * p - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
+  np.testing.assert_allclose(np.asarray(new["final_norm"]["scale"][...]), want, rtol=1e-6)
