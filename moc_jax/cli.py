@@ -6,6 +6,11 @@ A command defines its flags at import time of its `__main__` block and calls `ru
 moc_jax (config/load.py), so the same command line works from any directory; a bad flag, a `--config.`
 override naming no field, or any `MocJaxError` raised by the command is reported as one line naming the
 fix, with exit code 2. Other exceptions are bugs and keep their traceback.
+
+A command whose `main(argv)` is also called from Python (tests import every benchmark at once, and they
+share flag names such as --config) defines its flags on its own `command_flags(__doc__)` instead of absl's
+global FLAGS, parses them with `parse_command(flag_values, argv)`, and wraps `main` in `exit_on_error`:
+the same flags library, help (`--helpfull`) and error line.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ def run(main, argv=None):
 
 
 def exit_on_error(main):
-  """For commands with their own parser (argparse): `MocJaxError` -> one `error:` line, exit code 2."""
+  """For commands parsed with `parse_command`: `MocJaxError` -> one `error:` line, exit code 2."""
   return _reporting(main)
 
 
@@ -47,10 +52,50 @@ def parse_flags(argv):
     return flags.FLAGS(_resolve_config_flag(argv))
   except MocJaxError as e:  # the config file is not found
     _exit_bad_input(str(e))
-  except flags.Error as e:  # what absl's own parser reports, as one line
-    _exit_bad_input(f"{e} (--helpfull lists the flags)")
+  except flags.Error as e:
+    _exit_bad_flag(e)
   except (AttributeError, KeyError) as e:
     _exit_no_field(e, argv)
+
+
+def command_flags(doc):
+  """A command's own `FlagValues`: its flags cannot clash with another command's imported in the same
+  process, as they would in absl's global FLAGS. `--help` / `--helpfull` print `doc` and these flags."""
+  flag_values = flags.FlagValues()
+  for name, short_name in (("help", "?"), ("helpshort", None), ("helpfull", None)):
+    flags.DEFINE_flag(_HelpFlag(name, short_name, doc, flag_values), flag_values=flag_values)
+  return flag_values
+
+
+def parse_command(flag_values, argv=None):
+  """`flag_values` (from `command_flags`) parsed from `argv` (None: sys.argv[1:]) and returned. Flags not
+  given take their defaults, also on a second call; a bad flag, or an argument that is no flag's value
+  (`--input a b`: absl takes one value per flag, so b would be silently dropped), is one `error:` line and
+  exit 2, as in `parse_flags`."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  flag_values.unparse_flags()
+  try:
+    extra = flag_values([sys.argv[0], *argv])[1:]
+  except flags.Error as e:
+    _exit_bad_flag(e)
+  if extra:
+    _exit_bad_input(f"not a flag: {' '.join(extra)} (a flag with several values is repeated: --flag=a --flag=b; "
+                    "--helpfull lists the flags)")
+  return flag_values
+
+
+class _HelpFlag(flags.BooleanFlag):
+  """`--help` of a `command_flags` command: absl's own help flags would list the global FLAGS instead.
+  Prints absl's help layout (the command's docstring, then its flags) on stdout and exits 0."""
+
+  def __init__(self, name, short_name, doc, flag_values):
+    super().__init__(name, False, "show this help", short_name=short_name)
+    self._doc, self._flag_values = doc, flag_values
+
+  def parse(self, argument):
+    if self._parse(argument):
+      print(f"{self._doc}\nflags:\n{self._flag_values.get_help()}")
+      sys.exit(0)
 
 
 def _resolve_config_flag(argv):
@@ -120,6 +165,10 @@ def _exit_no_field(e, argv):
   detail = " ".join(re.sub(r"\\[n']|[\n'\"]", " ", str(e.args[0] if e.args else e)).split())
   overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
   _exit_bad_input(f"a --config override names no config field ({detail}); overrides given: {', '.join(overrides)}")
+
+
+def _exit_bad_flag(e):
+  _exit_bad_input(f"{e} (--helpfull lists the flags)")
 
 
 def _exit_bad_input(message):

@@ -14,13 +14,20 @@ fits in ~5 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
-import argparse
+from absl import flags
 
-from moc_jax import count_params
+from moc_jax import cli, count_params
 from moc_jax.bench import common
 
 GOAL = 1.3
 SIZES = (4096, 16384, 65536, 262144)
+
+_FLAGS = cli.command_flags(__doc__)
+common.define_config_flags(_FLAGS, "configs/moc.py:small", 8)
+common.define_int_list_flag(_FLAGS, "sizes", SIZES, "bank tokens, ascending")
+flags.DEFINE_integer("rounds", 4, "rounds of interleaved steps", flag_values=_FLAGS)
+flags.DEFINE_integer("steps_per_round", 1, "timed steps of each size per round", flag_values=_FLAGS)
+flags.DEFINE_integer("optimizer_reps", 3, "timed optimizer updates per size", flag_values=_FLAGS)
 
 
 def run(config="configs/moc.py:small", batch_size=8, overrides=None, sizes=SIZES, rounds=4, steps_per_round=1,
@@ -56,17 +63,11 @@ def run(config="configs/moc.py:small", batch_size=8, overrides=None, sizes=SIZES
           "goal": f"step_growth <= {GOAL}", "pass": step_growth <= GOAL}
 
 
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_config_flags(parser, "configs/moc.py:small", 8)
-  parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bank tokens, comma-separated, ascending")
-  parser.add_argument("--rounds", type=int, default=4)
-  parser.add_argument("--steps_per_round", type=int, default=1)
-  parser.add_argument("--optimizer_reps", type=int, default=3)
-  args = parser.parse_args(argv)
-  return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set),
-                         tuple(int(s) for s in args.sizes.split(",")), args.rounds, args.steps_per_round,
-                         optimizer_reps=args.optimizer_reps))
+  args = cli.parse_command(_FLAGS, argv)
+  return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set), tuple(args.sizes),
+                         args.rounds, args.steps_per_round, optimizer_reps=args.optimizer_reps))
 
 
 if __name__ == "__main__":

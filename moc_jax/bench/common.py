@@ -25,10 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags
 from flax import nnx
 
 import moc_jax
 from moc_jax import flops, sharding
+from moc_jax.errors import ConfigError
 from moc_jax.losses import lm_loss, next_token_ce
 from moc_jax.state import build_state
 from moc_jax.train.peaks import cpu_model
@@ -59,12 +61,34 @@ def load(spec: str, batch_size: int | None = None, overrides: dict | None = None
   return config, note.getvalue().strip()
 
 
-def add_config_flags(parser, config: str, batch_size: int | None):
-  parser.add_argument("--config", default=config, help="config spec, e.g. configs/moc.py:small")
-  parser.add_argument("--batch_size", type=int, default=batch_size,
-                      help="sequences per micro-batch (train.batch_size)" + ("" if batch_size else "; default: the config's"))
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="config override, e.g. --set model.remat=none (repeatable)")
+def define_config_flags(flag_values, config: str, batch_size: int | None):
+  """--config, --batch_size and --set: the flags of every benchmark of one config, defined in one place."""
+  flags.DEFINE_string("config", config, "config spec, e.g. configs/moc.py:small", flag_values=flag_values)
+  flags.DEFINE_integer("batch_size", batch_size, "sequences per micro-batch (train.batch_size)"
+                       + ("" if batch_size else "; default: the config's"), flag_values=flag_values)
+  define_set_flag(flag_values, "config override, e.g. --set model.remat=none")
+
+
+def define_set_flag(flag_values, help_text: str):
+  """--set KEY=VALUE, repeatable; `parse_overrides` turns its values into a config override dict."""
+  flags.DEFINE_multi_string("set", [], help_text, flag_values=flag_values)
+
+
+def define_int_list_flag(flag_values, name: str, default, help_text: str):
+  """A comma-separated list of integers, e.g. --sizes=4096,16384: one that is not an integer is a flag error."""
+  flags.DEFINE(_IntListParser(), name, list(default), help_text, flag_values=flag_values,
+               serializer=flags.CsvListSerializer(","))
+
+
+class _IntListParser(flags.ListParser):
+  """absl's comma-separated list parser, with every item an int (a ValueError is absl's flag error)."""
+
+  def __init__(self):
+    super().__init__()
+    self.syntactic_help = "a comma separated list of integers"
+
+  def parse(self, argument):
+    return [int(item) for item in super().parse(argument)]
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -73,7 +97,7 @@ def parse_overrides(pairs: list[str]) -> dict:
   for pair in pairs:
     key, sep, value = pair.partition("=")
     if not sep:
-      raise ValueError(f"--set {pair!r}: expected KEY=VALUE")
+      raise ConfigError(f"--set {pair!r}: expected KEY=VALUE")
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):

@@ -3,20 +3,23 @@ against (moc_jax/train/peaks.py measures and caches it), as one JSON line (both 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import jax
+from absl import flags
 
+from moc_jax import cli
 from moc_jax.train.peaks import DTYPES, cache_path, cpu_model, peak
 
+_FLAGS = cli.command_flags(__doc__)
+flags.DEFINE_enum("dtype", None, DTYPES, "one dtype (default: both)", flag_values=_FLAGS)
+flags.DEFINE_bool("force", False, "re-measure even if cached", flag_values=_FLAGS)
 
+
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dtype", choices=DTYPES, help="one dtype (default: both)")
-  parser.add_argument("--force", action="store_true", help="re-measure even if cached")
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   records = {d: peak(d, force=args.force) for d in ([args.dtype] if args.dtype else DTYPES)}
   result = {"name": "cpu_peak", "cache": cache_path(),
             **{d: {"gflops_per_s": r["flops_per_s"] / 1e9,

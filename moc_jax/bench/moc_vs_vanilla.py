@@ -11,11 +11,19 @@ fits in ~5 minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
-import argparse
+from absl import flags
 
+from moc_jax import cli
 from moc_jax.bench import common
 
 GOAL = 1.05
+
+_FLAGS = cli.command_flags(__doc__)
+common.define_config_flags(_FLAGS, "configs/moc.py:small", 8)
+flags.DEFINE_string("vanilla", None, "baseline config (default: configs/vanilla.py:iso=<moc name>)",
+                    flag_values=_FLAGS)
+flags.DEFINE_integer("rounds", 5, "rounds of interleaved steps", flag_values=_FLAGS)
+flags.DEFINE_integer("steps_per_round", 2, "timed steps of each model per round", flag_values=_FLAGS)
 
 
 def iso_vanilla(moc_spec: str) -> str:
@@ -45,13 +53,9 @@ def run(config="configs/moc.py:small", batch_size=8, overrides=None, rounds=5, s
           "goal": f"time_over_flops <= {GOAL}", "pass": value <= GOAL}
 
 
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_config_flags(parser, "configs/moc.py:small", 8)
-  parser.add_argument("--vanilla", help="baseline config (default: configs/vanilla.py:iso=<moc name>)")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps_per_round", type=int, default=2)
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set), args.rounds,
                          args.steps_per_round, vanilla=args.vanilla))
 

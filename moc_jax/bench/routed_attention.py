@@ -23,15 +23,16 @@ Goal: time(token_xla) / time(sequence) <= 2.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 from flax import nnx
 
+from moc_jax import cli
 from moc_jax.bench import common
 from moc_jax.model.memory import ChapterBank, MemoryLayer
 
@@ -46,6 +47,22 @@ GOALS = {  # ratio -> (comparison, bound)
     "temp_naive_over_token_xla": (">=", 20.0),
     "time_token_xla_over_sequence": ("<=", 2.0),
 }
+
+_FLAGS = cli.command_flags(__doc__)
+flags.DEFINE_string("config", "configs/moc.py:262k", "config of the compile-only part", flag_values=_FLAGS)
+flags.DEFINE_integer("batch_size", 8, "sequences of the compile-only part", flag_values=_FLAGS)
+flags.DEFINE_integer("seq_len", 1024, "tokens per sequence of the compile-only part", flag_values=_FLAGS)
+flags.DEFINE_string("small_config", "configs/moc.py:tiny", "config of the timed part", flag_values=_FLAGS)
+flags.DEFINE_integer("small_batch_size", 16, "sequences of the timed part", flag_values=_FLAGS)
+flags.DEFINE_integer("small_seq_len", 128, "tokens per sequence of the timed part", flag_values=_FLAGS)
+flags.DEFINE_integer("rounds", 5, "timing rounds (variants alternate)", flag_values=_FLAGS)
+flags.DEFINE_integer("calls_per_round", 3, "timed calls of each variant per round", flag_values=_FLAGS)
+flags.DEFINE_integer("warmup", 2, "untimed calls of each variant before timing", flag_values=_FLAGS)
+flags.DEFINE_bool("small_only", False, "skip the compile-only part", flag_values=_FLAGS)
+flags.DEFINE_list("variants", list(VARIANTS), "variants of the compile-only part", flag_values=_FLAGS)
+flags.register_validator("variants", lambda names: set(names) <= set(VARIANTS),
+                         f"each variant is one of {', '.join(VARIANTS)}", flag_values=_FLAGS)
+common.define_set_flag(_FLAGS, "config override applied to both parts")
 
 
 def meets(key, value):
@@ -206,25 +223,12 @@ def run(large_config="configs/moc.py:262k", large_batch=8, large_len=1024, small
   return result
 
 
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/moc.py:262k", help="config of the compile-only part")
-  parser.add_argument("--batch_size", type=int, default=8)
-  parser.add_argument("--seq_len", type=int, default=1024)
-  parser.add_argument("--small_config", default="configs/moc.py:tiny", help="config of the timed part")
-  parser.add_argument("--small_batch_size", type=int, default=16)
-  parser.add_argument("--small_seq_len", type=int, default=128)
-  parser.add_argument("--rounds", type=int, default=5, help="timing rounds (variants alternate)")
-  parser.add_argument("--calls_per_round", type=int, default=3, help="timed calls of each variant per round")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed calls of each variant before timing")
-  parser.add_argument("--small_only", action="store_true", help="skip the compile-only part")
-  parser.add_argument("--variants", default=",".join(VARIANTS), help="variants of the compile-only part")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="config override applied to both parts (repeatable)")
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   return common.emit(run(args.config, args.batch_size, args.seq_len, args.small_config, args.small_batch_size,
                          args.small_seq_len, common.parse_overrides(args.set), args.rounds, args.calls_per_round,
-                         args.warmup, args.small_only, tuple(args.variants.split(","))))
+                         args.warmup, args.small_only, tuple(args.variants)))
 
 
 if __name__ == "__main__":

@@ -10,20 +10,26 @@ step), and each component the estimator counts (self-attention, MLP, memory, hea
 forward and forward+backward at the micro-batch shape: per step, a component costs count x (fwd+bwd,
 plus one more fwd under remat) x grad_accum.
 
-`python -m moc_jax.bench.train_mfu [--config=configs/moc.py:small] [--steps 3] [--no-profile]`
+`python -m moc_jax.bench.train_mfu [--config=configs/moc.py:small] [--steps 3] [--profile_reps 0]`
 """
 from __future__ import annotations
 
-import argparse
-
 import jax
+from absl import flags
 
-from moc_jax import flops
+from moc_jax import cli, flops
 from moc_jax.bench import common
 from moc_jax.train import peaks
 
 GOAL = 0.5
 PEAK_SIZES = (1024, 2048)
+
+_FLAGS = cli.command_flags(__doc__)
+common.define_config_flags(_FLAGS, "configs/moc.py:small", None)
+flags.DEFINE_integer("steps", 3, "timed steps", flag_values=_FLAGS)
+flags.DEFINE_integer("warmup", 1, "untimed steps after compilation", flag_values=_FLAGS)
+flags.DEFINE_integer("profile_reps", 2, "timed calls per profiled part; 0 = no profile", flag_values=_FLAGS)
+common.define_int_list_flag(_FLAGS, "peak_sizes", PEAK_SIZES, "square matmul sizes of the in-process CPU peak")
 
 
 def device_peak(dtype, peak_sizes):
@@ -74,17 +80,11 @@ def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3,
   return result
 
 
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_config_flags(parser, "configs/moc.py:small", None)
-  parser.add_argument("--steps", type=int, default=3, help="timed steps")
-  parser.add_argument("--warmup", type=int, default=1, help="untimed steps after compilation")
-  parser.add_argument("--profile_reps", type=int, default=2, help="timed calls per profiled part; 0 = no profile")
-  parser.add_argument("--peak_sizes", default=",".join(map(str, PEAK_SIZES)),
-                      help="square matmul sizes of the in-process CPU peak, comma-separated")
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set), args.steps, args.warmup,
-                         args.profile_reps, tuple(int(n) for n in args.peak_sizes.split(","))))
+                         args.profile_reps, tuple(args.peak_sizes)))
 
 
 if __name__ == "__main__":

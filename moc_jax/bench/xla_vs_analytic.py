@@ -11,22 +11,25 @@ is XLA's element-wise count, to set against `analytic_elementwise`; XLA also cou
 convert as a FLOP and reports exp/rsqrt/logistic apart, as `transcendentals`. Goal: whole forward
 within 5%.
 
-`python -m moc_jax.bench.xla_vs_analytic [--config=configs/moc.py:262k] [--batch_size 1]`
+`python -m moc_jax.bench.xla_vs_analytic [--config=configs/moc.py:262k] [--batch_size 1] [--noscanned]`
 """
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
+from absl import flags
 from flax import nnx
 
 import moc_jax
-from moc_jax import flops
+from moc_jax import cli, flops
 from moc_jax.bench import common
 from moc_jax.losses import lm_loss
 
 GOAL = 0.05
+
+_FLAGS = cli.command_flags(__doc__)
+common.define_config_flags(_FLAGS, "configs/moc.py:262k", 1)
+flags.DEFINE_bool("scanned", True, "also compile the scanned forward (--noscanned skips it)", flag_values=_FLAGS)
 
 
 def xla_cost(fn, *abstract_args) -> dict:
@@ -75,12 +78,9 @@ def run(config="configs/moc.py:262k", batch_size=1, overrides=None, scanned=True
   return result
 
 
+@cli.exit_on_error
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  common.add_config_flags(parser, "configs/moc.py:262k", 1)
-  parser.add_argument("--no-scanned", dest="scanned", action="store_false",
-                      help="skip compiling the scanned forward")
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set), args.scanned))
 
 

@@ -9,7 +9,6 @@ MoC-PT checkpoint into a moc_jax workdir (DIR/config.json, DIR/checkpoints/) tha
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -18,6 +17,7 @@ import sys
 
 import ml_dtypes
 import numpy as np
+from absl import flags
 from flax import nnx, traverse_util
 
 from moc_jax import cli
@@ -252,20 +252,18 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   return os.path.join(directory, str(step))
 
 
+_FLAGS = cli.command_flags(__doc__)
+flags.DEFINE_string("state_dict", None, "MoC-PT weights: model.pt / .bin (needs torch), .safetensors, or .npz of "
+                    "their tensors", required=True, flag_values=_FLAGS)
+flags.DEFINE_string("config", None, "the run's MoC-PT YAML (e.g. its checkpoint's config.yaml) or a JSON with "
+                    "model/memory", required=True, flag_values=_FLAGS)
+flags.DEFINE_string("out", None, "the workdir to create", required=True, flag_values=_FLAGS)
+flags.DEFINE_integer("step", 0, "checkpoint step number", lower_bound=0, flag_values=_FLAGS)
+
+
 @cli.exit_on_error
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
-      prog="python -m moc_jax.convert.mocpt",
-      description="Imports a MoC-PT checkpoint into a moc_jax workdir (config.json + Orbax params).")
-  parser.add_argument("--state_dict", required=True,
-                      help="MoC-PT weights: model.pt / .bin (needs torch), .safetensors, or .npz of their tensors")
-  parser.add_argument("--config", required=True,
-                      help="the run's MoC-PT YAML (e.g. its checkpoint's config.yaml) or a JSON with model/memory")
-  parser.add_argument("--out", required=True, help="the workdir to create")
-  parser.add_argument("--step", type=int, default=0, help="checkpoint step number (default 0)")
-  args = parser.parse_args(argv)
-  if args.step < 0:
-    parser.error("--step must be >= 0")
+  args = cli.parse_command(_FLAGS, argv)
   config = load_mocpt_config(args.config)
   path = import_checkpoint(read_state_dict(args.state_dict), config, args.out, args.step)
   spec = f"configs/mocpt.py:{args.config}"

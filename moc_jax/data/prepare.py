@@ -1,7 +1,7 @@
 """Tokenize local text once into ArrayRecord shards that `config.data.name = "arrayrecord:<dir>"` reads.
 
-  python -m moc_jax.data.prepare --input 'corpus/*.jsonl' --output DIR --tokenizer byte [--split train]
-      [--text_field text] [--shard_size 100000] [--txt_unit paragraph|file]
+  python -m moc_jax.data.prepare --input 'corpus/*.jsonl' [--input more.txt ...] --output DIR --tokenizer byte
+      [--split train] [--text_field text] [--shard_size 100000] [--txt_unit paragraph|file]
 
 Inputs: .txt (one document per blank-line-separated paragraph by default, or per file with
 --txt_unit file), .jsonl (one object per line, field --text_field), .parquet (column --text_field).
@@ -13,13 +13,13 @@ splits (e.g. --split validation) into the same directory with the same tokenizer
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import re
 
 import numpy as np
+from absl import flags
 
 from moc_jax import cli
 from moc_jax.errors import DataError
@@ -133,17 +133,21 @@ def prepare(inputs, output, tokenizer_spec, *, split="train", text_field="text",
   return entry
 
 
+_FLAGS = cli.command_flags(__doc__)
+flags.DEFINE_multi_string("input", None, "a file or glob (.txt, .jsonl, .parquet)",
+                          required=True, flag_values=_FLAGS)
+flags.DEFINE_string("output", None, "directory for the shards and manifest.json", required=True, flag_values=_FLAGS)
+flags.DEFINE_string("tokenizer", "byte", "byte | hf:<tokenizer.json> | sp:<model.model>", flag_values=_FLAGS)
+flags.DEFINE_string("split", "train", "the split these documents are", flag_values=_FLAGS)
+flags.DEFINE_string("text_field", "text", "the field (.jsonl) or column (.parquet) holding the text",
+                    flag_values=_FLAGS)
+flags.DEFINE_integer("shard_size", 100_000, "documents per shard", flag_values=_FLAGS)
+flags.DEFINE_enum("txt_unit", "paragraph", ("paragraph", "file"), "the document of a .txt file", flag_values=_FLAGS)
+
+
 @cli.exit_on_error
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m moc_jax.data.prepare", description=__doc__.split("\n")[0])
-  parser.add_argument("--input", nargs="+", required=True, help="files or globs (.txt, .jsonl, .parquet)")
-  parser.add_argument("--output", required=True, help="directory for the shards and manifest.json")
-  parser.add_argument("--tokenizer", default="byte", help="byte | hf:<tokenizer.json> | sp:<model.model>")
-  parser.add_argument("--split", default="train")
-  parser.add_argument("--text_field", default="text")
-  parser.add_argument("--shard_size", type=int, default=100_000, help="documents per shard")
-  parser.add_argument("--txt_unit", choices=("paragraph", "file"), default="paragraph")
-  args = parser.parse_args(argv)
+  args = cli.parse_command(_FLAGS, argv)
   entry = prepare(args.input, args.output, args.tokenizer, split=args.split, text_field=args.text_field,
                   shard_size=args.shard_size, txt_unit=args.txt_unit)
   print(f"{args.output}: split {args.split!r}: {entry['documents']} documents, {entry['tokens']} tokens, "

@@ -8,6 +8,7 @@ import math
 import jax
 import pytest
 
+from moc_jax import cli
 from moc_jax.bench import (bank_scaling, common, cpu_peak, moc_vs_vanilla, routed_attention, train_mfu,
                            xla_vs_analytic)
 from moc_jax.train import peaks
@@ -102,6 +103,36 @@ def test_routed_attention(capsys):
   assert c["compiled"] and c["temp_bytes"] > 0 and c["argument_bytes"] > 0
   big = c["largest_values"][0]  # tiny's bank: [65, 16, 64] float32, or something larger
   assert big["bytes"] >= 65 * 16 * 64 * 4 and big["shape"].count(",") >= 1
+
+
+@pytest.mark.parametrize("module, argv, error", [
+    (cpu_peak, ["--dtype=int8"], "flag --dtype=int8: value should be one of"),
+    (train_mfu, ["--set", "model.remat"], "--set 'model.remat': expected KEY=VALUE"),
+    (moc_vs_vanilla, ["--rounds", "2", "3"], "not a flag: 3"),
+    (bank_scaling, ["--sizes=4096,big"], "flag --sizes=4096,big: invalid literal for int()"),
+    (xla_vs_analytic, ["--no-scanned"], "Unknown command line flag 'no-scanned'"),
+    (routed_attention, ["--variants=naive,fast"], "each variant is one of naive, sequence, token_xla, prefix_xla")])
+def test_bad_flags_are_one_error_line(capsys, module, argv, error):
+  with pytest.raises(SystemExit) as exit_info:
+    module.main(argv)
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.startswith("error: ") and error in err and err.count("\n") == 1, err
+
+
+def test_each_benchmark_has_its_own_flags(capsys):
+  """Benchmarks imported together define --config each without clashing; --helpfull lists the command's own."""
+  with pytest.raises(SystemExit) as exit_info:
+    bank_scaling.main(["--helpfull"])
+  out = capsys.readouterr().out
+  assert exit_info.value.code == 0 and out.startswith(bank_scaling.__doc__)
+  assert "--sizes" in out and "--config" in out and "--small_only" not in out
+
+
+def test_each_call_parses_from_the_defaults():
+  """main(argv) runs many times in one process: a flag a call does not give takes its default again."""
+  assert cli.parse_command(bank_scaling._FLAGS, ["--sizes=8,16", "--set", "a=1"]).sizes == [8, 16]
+  parsed = cli.parse_command(bank_scaling._FLAGS, [])
+  assert parsed.sizes == list(bank_scaling.SIZES) and parsed.set == []
 
 
 class _Device:

@@ -235,6 +235,17 @@ def test_unknown_format_and_missing_files(paper, tmp_path, capsys):
   assert code == 2 and "no.yaml: no such file" in out
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--state_dict", "model.npz", "--config", "their.yaml"], "error: flag --out=None: Flag --out must have a value"),
+    (["--state_dict", "model.npz", "--config", "their.yaml", "--out", "run", "--step", "-1"],
+     "error: flag --step=-1: -1 is not a non-negative integer"),
+    (["--state_dict", "model.npz", "--config", "their.yaml", "--out", "run", "--steps=7"],
+     "error: Unknown command line flag 'steps'")])
+def test_bad_flags_are_one_error_line(capsys, args, error):
+  code, out = _import(capsys, *args)
+  assert code == 2 and out.startswith(error) and out.count("\n") == 1, out
+
+
 def test_safetensors_file(paper, tmp_path):
   safetensors_numpy = pytest.importorskip("safetensors.numpy")
   state, _, _ = paper

@@ -60,15 +60,26 @@ def test_txt_jsonl_parquet_end_to_end(inputs, tmp_path):
 def test_txt_unit_file_and_cli(tmp_path, capsys):
   (tmp_path / "one.txt").write_text("Para A.\n\nPara B.\n")
   (tmp_path / "two.txt").write_text("Whole file.\n")
-  main(["--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "ar"), "--tokenizer", "byte",
-        "--txt_unit", "file", "--split", "validation"])
+  main(["--input", str(tmp_path / "one.txt"), "--input", str(tmp_path / "t*.txt"), "--output", str(tmp_path / "ar"),
+        "--tokenizer", "byte", "--txt_unit", "file", "--split", "validation"])
   assert "2 documents" in capsys.readouterr().out
   assert _texts(list(make_eval_batches(_config(tmp_path / "ar"))))[:2] == ["Para A.\n\nPara B.", "Whole file."]
-  capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--input", "{tmp}/*.csv", "--output", "{tmp}/x"], "error: --input"),
+    (["--input", "{tmp}/one.txt", "{tmp}/two.txt", "--output", "{tmp}/x"], "error: not a flag: {tmp}/two.txt"),
+    (["--input", "{tmp}/one.txt", "--output", "{tmp}/x", "--txt_unit", "line"], "error: flag --txt_unit=line"),
+    (["--input", "{tmp}/one.txt"], "error: flag --output=None")])
+def test_bad_input_is_one_error_line(tmp_path, capsys, argv, error):
+  """As every command: one `error:` line and exit code 2, nothing written; several inputs repeat --input."""
+  (tmp_path / "one.txt").write_text("Para A.\n")
+  (tmp_path / "two.txt").write_text("Para B.\n")
   with pytest.raises(SystemExit) as exit_info:
-    main(["--input", str(tmp_path / "*.csv"), "--output", str(tmp_path / "x")])
-  assert exit_info.value.code == 2  # bad input: one line, exit code 2, as every command
-  assert capsys.readouterr().err.startswith("error: --input") and not (tmp_path / "x").exists()
+    main([arg.format(tmp=tmp_path) for arg in argv])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.startswith(error.format(tmp=tmp_path)) and err.count("\n") == 1, err
+  assert not (tmp_path / "x").exists()
 
 
 def test_train_split_feeds_the_train_iterator(inputs, tmp_path):

@@ -250,8 +250,14 @@ def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypat
       time.sleep(0.05)
     signal.raise_signal(signal.SIGINT)  # Ctrl-C reaches the sweep (the point runs in its own session)
 
+  # Ctrl-C as a terminal delivers it: Python's default handler (libraries imported by earlier tests in this
+  # process may have replaced it)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   threading.Thread(target=interrupt_once_started, daemon=True).start()
-  assert launcher.run() == {"pending": 2}
+  try:
+    assert launcher.run() == {"pending": 2}
+  finally:
+    signal.signal(signal.SIGINT, previous)
   assert fake_backend() == ["k1"]  # k2 never started
   assert "interrupted" in capsys.readouterr().out
   manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
