@@ -24,6 +24,7 @@ from moc_jax import sharding
 from moc_jax import state as state_lib
 from moc_jax.data import make_train_iterator
 from moc_jax.errors import CheckpointError
+from tests.asserts import assert_same_bytes
 from tests.train import train_utils as tu
 
 SMALL = {"model.num_layers": 2, "memory.layer_indices": (1,), "model.remat": "none"}
@@ -100,15 +101,6 @@ def refusal(fn, *args):
   with pytest.raises(CheckpointError) as info:
     fn(*args)
   return str(info.value)
-
-
-def assert_same_bytes(got, want):
-  """Same tree structure, and every leaf of the same dtype, shape and bytes."""
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert (g.dtype, g.shape) == (w.dtype, w.shape)
-    assert g.tobytes() == w.tobytes()
 
 
 # --- checkpoint_dir --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import moc_jax
 from moc_jax import optim, sharding
 from moc_jax.config import base_config
 from moc_jax.errors import ConfigError
+from tests.asserts import assert_same_bytes
 
 # The default rules (config/schema.py), written out: the hand counts below are derived from this table.
 DEFAULT_RULES = (
@@ -245,14 +246,6 @@ def user_tree(mesh, chapters=5, seed=0):
                      "w": put(rng.standard_normal((2, chapters)).astype(np.float32))},
           "opt_state": {"mu": {"bank": {"memory": put(-bank)}},
                         "groups": {"bank": {"count": put(np.arange(2 * chapters, dtype=np.int32).reshape(2, -1))}}}}
-
-
-def assert_same_bytes(got, want):
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert (g.dtype, g.shape) == (w.dtype, w.shape)
-    assert g.tobytes() == w.tobytes()
 
 
 def test_pad_then_unpad_is_bit_identical_and_pads_with_zero_chapters():
