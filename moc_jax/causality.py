@@ -19,6 +19,7 @@ from flax import nnx
 import moc_jax
 from moc_jax.config import routing_is_causal
 from moc_jax import cli
+from moc_jax.errors import UsageError
 
 
 def _redraw_zeros(model, seed):
@@ -56,10 +57,10 @@ def probe(config, *, length=None, batch=2, seed=0, positions=None) -> dict:
 
 
 def main(argv):
-  from absl import app, flags
+  from absl import flags
   cli.quiet_libraries()
   if len(argv) > 1 or flags.FLAGS.config is None:
-    raise app.UsageError("usage: python -m moc_jax.causality --config=PATH.py:ARG [--config.x=y]")
+    raise UsageError("usage: python -m moc_jax.causality --config=PATH.py:ARG [--config.x=y]")
   result = probe(flags.FLAGS.config, length=flags.FLAGS.length)
   print(json.dumps(result))
   return 0 if result["causal"] == result["causal_by_design"] else 1

@@ -168,7 +168,14 @@ def _exit_no_field(e, argv):
 
 
 def _exit_bad_flag(e):
-  _exit_bad_input(f"{e} (--helpfull lists the flags)")
+  text = str(e)
+  if _CONFIG_FILE_FAILED in text:  # ml_collections puts the config's own traceback in the message: keep its error
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    _exit_bad_input(re.sub(r"^[\w.]*(Error|Exception): ", "", last))
+  _exit_bad_input(f"{text} (--helpfull lists the flags)")
+
+
+_CONFIG_FILE_FAILED = "Error whilst parsing config file"  # ml_collections' words when get_config raised
 
 
 def _exit_bad_input(message):

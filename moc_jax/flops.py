@@ -302,15 +302,16 @@ def _table(e, config, per_token) -> str:
 
 
 def main(argv):
-  from absl import app, flags
+  from absl import flags
   from moc_jax import cli
   from moc_jax.config import validate
+  from moc_jax.errors import UsageError
   cli.quiet_libraries()  # JAX backend probing chatter off the console
   f = flags.FLAGS
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise UsageError(f"unexpected arguments {argv[1:]}")
   if f.config is None:
-    raise app.UsageError("--config=PATH.py:ARG is required, e.g. configs/moc.py:262k")
+    raise UsageError("--config=PATH.py:ARG is required, e.g. configs/moc.py:262k")
   validate(f.config)
   e = estimate(f.config, f.config.train.batch_size if f.batch is None else f.batch, f.seq_len,
                recompute=f.recompute, flash=f.flash, world_size=f.world_size, accum=f.accum, steps=f.steps)

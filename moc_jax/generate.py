@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from flax import nnx
 
 from moc_jax import cli, sharding
@@ -173,7 +173,7 @@ def _define_flags():
 
 def _main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise UsageError(f"unexpected arguments {argv[1:]}")
   cli.quiet_libraries()
   f = flags.FLAGS
   if not f.workdir:

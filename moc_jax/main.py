@@ -10,9 +10,10 @@ every process runs the same command and feeds its own slice of each batch.
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from moc_jax import cli
+from moc_jax.errors import ConfigError, UsageError
 
 FLAGS = flags.FLAGS
 
@@ -38,14 +39,13 @@ def train(config, workdir: str) -> dict:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise UsageError(f"unexpected arguments {argv[1:]}")
   if FLAGS.config is None or (FLAGS.workdir is None and FLAGS.mode != "compile"):
-    raise app.UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
+    raise UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
   cli.quiet_libraries()
   cli.quiet_datasets()
   from moc_jax import distributed
   from moc_jax.config import validate
-  from moc_jax.errors import ConfigError
   cli.use_fake_devices(FLAGS.config.num_fake_devices)  # both before the first use of a JAX backend
   try:
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.distributed)

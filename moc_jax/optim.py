@@ -23,28 +23,30 @@ def schedule_multiplier(t) -> callable:
   total, warmup, r = t.steps, t.warmup_steps, t.min_lr_ratio
   if t.schedule == "constant":  # HF get_scheduler("constant") ignores warm-up
     return lambda s: jnp.ones_like(jnp.asarray(s, jnp.float32))
-  if t.schedule == "linear":
-    def linear(s):
-      s = jnp.asarray(s, jnp.float32)
-      return jnp.where(s < warmup, s / max(warmup, 1), jnp.maximum(0.0, (total - s) / max(total - warmup, 1)))
-    return linear
-  decay_start = warmup if t.schedule == "cosine" else decay_start_step(t)
+  decay_start = decay_start_step(t)
 
-  def wsd(s):
-    s = jnp.asarray(s, jnp.float32)
+  def decay(s):  # from 1 at the decay start: cosine to r (cosine, wsd), or linear to 0 ignoring r (MoC-PT's)
+    if t.schedule == "linear":
+      return jnp.maximum(0.0, (total - s) / max(total - decay_start, 1))
     progress = (s - decay_start) / max(total - decay_start, 1)
-    cosine = r + (1 - r) * 0.5 * (1 + jnp.cos(math.pi * progress))
-    return jnp.where(s < warmup, s / max(warmup, 1), jnp.where(s < decay_start, 1.0, cosine))
-  return wsd
+    return r + (1 - r) * 0.5 * (1 + jnp.cos(math.pi * progress))
+
+  def multiplier(s):  # warm-up, hold at the peak until the decay start, decay
+    s = jnp.asarray(s, jnp.float32)
+    return jnp.where(s < warmup, s / max(warmup, 1), jnp.where(s < decay_start, 1.0, decay(s)))
+  return multiplier
 
 
 def decay_start_step(t) -> int:
-  """MoC-PT's rule: decay_start_step wins over decay_start_ratio; without either the decay starts at W."""
+  """MoC-PT's rule for wsd, cosine and linear alike: decay_start_step wins over decay_start_ratio; without
+  either the decay starts at W (no hold); the result is clamped to [W, steps]."""
   if t.decay_start_step is not None:
-    return max(t.decay_start_step, t.warmup_steps)
-  if t.decay_start_ratio is not None:
-    return max(int(t.steps * t.decay_start_ratio), t.warmup_steps)
-  return t.warmup_steps
+    start = t.decay_start_step
+  elif t.decay_start_ratio is not None:
+    start = int(t.steps * t.decay_start_ratio)
+  else:
+    start = t.warmup_steps
+  return max(t.warmup_steps, min(start, t.steps))
 
 
 def group_lrs(t) -> dict[str, float]:

@@ -27,6 +27,7 @@ ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
 SCHEDULES = ("wsd", "cosine", "linear", "constant")
+DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the decay start, decay
 LAYOUTS = ("pack", "pad_truncate")
 PACK_BOUNDARIES = ("segment", "eos")
 CHAT_FORMATS = ("plain", "chatml")

@@ -6,9 +6,9 @@ is allocated or anything compiles. Model code reads fields, never re-checks them
 from __future__ import annotations
 
 from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
-from moc_jax.config.schema import (ATTENTION_IMPLS, CHAT_FORMATS, DECODE_ROUTINGS, DTYPES, LAYOUTS, PACK_BOUNDARIES,
-                                   PLACEMENTS, REMATS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS,
-                                   VARIANTS)
+from moc_jax.config.schema import (ATTENTION_IMPLS, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
+                                   PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS,
+                                   TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import validate_mesh
 
@@ -129,7 +129,7 @@ def _validate_train(c):
   _enum(c, "train.schedule", SCHEDULES)
   if t.warmup_steps > t.steps:
     _fail("train.warmup_steps", f"{t.warmup_steps} > train.steps {t.steps}", "shorten the warm-up")
-  if t.schedule == "wsd" and t.decay_start_step is not None and t.decay_start_step > t.steps:
+  if t.schedule in DECAYING_SCHEDULES and t.decay_start_step is not None and t.decay_start_step > t.steps:
     _fail("train.decay_start_step", f"{t.decay_start_step} > train.steps {t.steps}: the learning rate would never "
           "decay", "set it <= train.steps (shortening a run: scale both), or use train.decay_start_ratio")
   if t.decay_start_ratio is not None and not 0 <= t.decay_start_ratio <= 1:

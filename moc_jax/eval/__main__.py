@@ -10,11 +10,11 @@ one message naming the file or field and the fix.
 from __future__ import annotations
 
 
-from absl import app, flags
+from absl import flags
 
 from moc_jax import cli
 from moc_jax.config import base_config
-from moc_jax.errors import ConfigError, DataError
+from moc_jax.errors import ConfigError, DataError, UsageError
 from moc_jax.eval.probes import DOC_BUCKET_EDGES
 
 cli.define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.data.data_dir=DIR or "
@@ -66,7 +66,7 @@ def _options():
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    raise UsageError(f"unexpected arguments {argv[1:]}")
   cli.quiet_libraries()
   cli.quiet_datasets()
   from moc_jax.config import load_run_config, validate

@@ -217,16 +217,34 @@ def test_layer_plan():
   assert layer_plan(_tiny()) == LayerPlan(2, 2, (1,), True)
 
 
-@pytest.mark.parametrize("module, args", [
-    ("moc_jax.main", ["--config=configs/moc.py:tiny", "--workdir=/nonexistent"]),
-    ("moc_jax.eval", ["--workdir=/nonexistent"])])  # its --config is a dict parsed when the flag is defined
-def test_an_override_naming_no_field_is_one_error_line(module, args):
+def _command(module, *args):
+  """`python -m module args` from the repository root -> (exit code, stderr)."""
   import os
   import subprocess
   import sys
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  proc = subprocess.run([sys.executable, "-m", module, *args, "--config.memory.top_kk=2"], capture_output=True,
-                        text=True, cwd=root, env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, timeout=300)
-  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-  assert "error: a --config override names no config field (top_kk Did you mean top_k" in proc.stderr
-  assert "--config.memory.top_kk" in proc.stderr
+  proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=root,
+                        env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}, timeout=300)
+  return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize("module, args", [
+    ("moc_jax.main", ["--config=configs/moc.py:tiny", "--workdir=/nonexistent"]),
+    ("moc_jax.eval", ["--workdir=/nonexistent"])])  # its --config is a dict parsed when the flag is defined
+def test_an_override_naming_no_field_is_one_error_line(module, args):
+  code, stderr = _command(module, *args, "--config.memory.top_kk=2")
+  assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+  assert "error: a --config override names no config field (top_kk Did you mean top_k" in stderr
+  assert "--config.memory.top_kk" in stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=configs/nonexistent.py:tiny", "--workdir=/nonexistent"],
+     "error: config file 'configs/nonexistent.py' not found"),
+    (["--config=configs/moc.py:huge", "--workdir=/nonexistent"], "the first item must be one of ['262k', 'small', 'tiny']"),
+    (["--config=configs/moc.py:tiny"], "error: --config=PATH.py:ARG and --workdir=DIR are both required")])
+def test_a_bad_command_line_is_one_error_line(args, message):
+  """No traceback, no help dump: one line naming the fix, exit code 2, and no workdir created."""
+  code, stderr = _command("moc_jax.main", *args)
+  assert code == 2 and "Traceback" not in stderr and message in stderr, stderr[-2000:]
+  assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1, stderr[-2000:]

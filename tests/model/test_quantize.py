@@ -30,8 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LEVELS = {8: 127, 4: 7}
 
 
-def _seed():
-  return int(np.random.SeedSequence().entropy % 2**31)
+SEED = 0  # fixed: a failure reproduces; the error messages name it
 
 
 # --- MoC-PT's formulas in numpy (float32 arithmetic, as torch on a float32 bank) ---------------------
@@ -62,7 +61,7 @@ dequantize_rows = jax.jit(quantize.dequantize_rows, static_argnums=2)
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_codes_and_round_trip_match_mocpt(bits):
-  seed = _seed()
+  seed = SEED
   rng = np.random.default_rng(seed)
   x = (rng.standard_t(3, size=(3, 40, 64)) * rng.uniform(1e-3, 1.0, size=(3, 40, 1))).astype(np.float32)
   x[0, 0] = 0.0  # an all-zero row (padded chapters): MoC-PT's clamped scale, codes 0
@@ -137,7 +136,7 @@ def _nll(logits, ids, mask):
 def runs(request):
   """Float and int8/int4 logits of one re-drawn tiny model (memory reaching the logits), and the float
   program run on the dequantised banks; one compile per program."""
-  seed = _seed()
+  seed = SEED
   cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.compute_dtype": "float32", "memory.routing": request.param})
   model = moc_jax.build_model(cfg, seed=seed)
   causality._redraw_zeros(model, seed + 1)
@@ -248,7 +247,7 @@ def sharded_main(seed):
 
 def test_sharded_reads_of_a_quantized_bank_equal_one_device():
   env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-  seed = _seed()
+  seed = SEED
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "sharded", str(seed)], capture_output=True,
                         text=True, timeout=900, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,22 +26,22 @@ def test_wsd_matches_reference_table():
 
 
 def _hand_lambda(kind, s, W, N, D, r):
-  """Independent transcription of MoC-PT's λ(s) in float64."""
+  """Independent transcription of MoC-PT's λ(s) (utils.py: cosine, linear and WSD all hold the peak from W
+  to the decay start D, then decay: cosine to r, linear to 0) in float64."""
   if kind == "constant":
     return 1.0
   if s < W:
     return s / W
-  if kind == "linear":
-    return max(0.0, (N - s) / (N - W))
-  D = W if kind == "cosine" else D
   if s < D:
     return 1.0
+  if kind == "linear":
+    return max(0.0, (N - s) / (N - D))
   return r + (1 - r) * 0.5 * (1 + np.cos(np.pi * (s - D) / (N - D)))
 
 
 @pytest.mark.parametrize("kind", ["wsd", "cosine", "linear", "constant"])
 def test_schedules_against_hand_formula(kind):
-  rng = np.random.default_rng(abs(hash(kind)) % 2**32)
+  rng = np.random.default_rng(["wsd", "cosine", "linear", "constant"].index(kind))
   N, W = int(rng.integers(200, 2000)), int(rng.integers(1, 100))
   D = int(rng.integers(W, N))
   t = _train_cfg(**{"train.schedule": kind, "train.steps": N, "train.warmup_steps": W,
@@ -49,6 +49,19 @@ def test_schedules_against_hand_formula(kind):
   lam = optim.schedule_multiplier(t)
   for s in rng.integers(0, N, 50):
     assert float(lam(int(s))) == pytest.approx(_hand_lambda(kind, int(s), W, N, D, 0.1), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind, want", [
+    ("cosine", [0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1, 1, 0.868198, 0.55, 0.231802]),
+    ("linear", [0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25]),
+    ("wsd", [0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1, 1, 0.868198, 0.55, 0.231802])])
+def test_every_decaying_schedule_holds_the_peak_until_the_decay_start(kind, want):
+  """W=3, D=8, N=12: MoC-PT's multipliers, written out by hand (cosine and linear honour the decay start
+  as WSD does; linear decays to 0 whatever min_lr_ratio)."""
+  t = _train_cfg(**{"train.schedule": kind, "train.steps": 12, "train.warmup_steps": 3,
+                    "train.decay_start_step": 8, "train.min_lr_ratio": 0.1}).train
+  lam = optim.schedule_multiplier(t)
+  assert [float(lam(s)) for s in range(12)] == pytest.approx(want, abs=2e-6)
 
 
 def test_decay_start_ratio_and_defaults():
@@ -59,6 +72,9 @@ def test_decay_start_ratio_and_defaults():
   t = _train_cfg(**{"train.steps": 1000, "train.warmup_steps": 10, "train.decay_start_ratio": 0.5,
                     "train.decay_start_step": 700}).train
   assert optim.decay_start_step(t) == 700  # the step wins over the ratio (MoC-PT)
+  t = _train_cfg(**{"train.schedule": "cosine", "train.steps": 1000, "train.warmup_steps": 10,
+                    "train.decay_start_ratio": 1.0}).train
+  assert optim.decay_start_step(t) == 1000  # clamped to [W, steps]
 
 
 def _one_update(config, grads_scale=1.0, steps=2):
