@@ -31,20 +31,26 @@ log = logging.getLogger("moc_jax")
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits cleanly.
+  """SIGTERM (pre-emption) or Ctrl-C (SIGINT) sets a flag; the loop saves a checkpoint at the next step
+  boundary and exits cleanly, so neither loses the steps since the last checkpoint. A second Ctrl-C aborts at
+  once (KeyboardInterrupt), as Python's own handler would.
 
   Multi-process, the save is collective, so every process must stop at the same step whichever got the
   signal: JAX's preemption service (started by jax.distributed.initialize; it catches SIGTERM itself, so no
   Python handler here) agrees on that step.
   """
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
-    self.requested = False
+    self.requested, self.name = False, "SIGTERM"
     self._multihost = jax.process_count() > 1
-    self._previous = None if self._multihost else signal.signal(signal.SIGTERM, self._handle)
+    self._previous = {} if self._multihost else {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
   def _handle(self, signum, frame):
-    self.requested = True
+    if signum == signal.SIGINT and self.requested:
+      raise KeyboardInterrupt
+    self.requested, self.name = True, signal.Signals(signum).name
 
   def check(self, step) -> bool:
     """Whether to save and stop after `step`; call it at every step (the agreement protocol needs each)."""
@@ -53,8 +59,8 @@ class _Preemption:
     return self.requested
 
   def restore(self):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
 
 
 def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
@@ -65,9 +71,6 @@ def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
   (moc_jax.eval.validation.ValidationEvaluator is the standard one)."""
   os.makedirs(workdir, exist_ok=True)
   warn_if_not_causal(config)
-  if jax.process_index() == 0:  # process 0 alone writes the workdir's files (metrics too: see _train)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     return _train(config, workdir, mesh, make_evaluator)
@@ -97,6 +100,7 @@ def _train(config, workdir, mesh, make_evaluator):
       params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"], padding=layout.padding)
       state["params"] = params
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
+  _write_config(config, workdir)  # only now: a refused resume leaves the run's config.json as it was
   _log_memory(config, abstract_state)
   throughput = Throughput(config)
   writer = MetricsWriter(workdir, t.steps, start, t.progress) if jax.process_index() == 0 else _NoMetrics()
@@ -132,7 +136,8 @@ def _train(config, workdir, mesh, make_evaluator):
         window.update(t0=time.time(), wait=0.0, steps=0)
       if stop:
         checkpointer.wait()
-        log.warning("moc_jax: SIGTERM — checkpoint saved at step %d; re-run the same command to resume", step)
+        log.warning("moc_jax: %s — checkpoint saved at step %d; re-run the same command to resume", preempt.name,
+                    step)
         break
     if pending is not None:
       _check_nonfinite(*pending, t.max_nonfinite)
@@ -141,6 +146,12 @@ def _train(config, workdir, mesh, make_evaluator):
     checkpointer.close()
     writer.close()
   return last
+
+
+def _write_config(config, workdir):
+  if jax.process_index() == 0:  # process 0 alone writes the workdir's files (metrics too: see _train)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 class _NoMetrics:

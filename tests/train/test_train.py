@@ -103,7 +103,8 @@ def test_resume_after_sigkill_gives_identical_losses(data_dir, tmp_path):
   assert val(tmp_path / "run") == val(tmp_path / "ref")
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_save_a_checkpoint_and_exit_cleanly(sig, data_dir, tmp_path):
   extra = {"train.steps": 1000, "train.checkpoint_every": 1000, "train.eval_every": 1000}
   proc = _main(tu.cli_args("configs/vanilla.py:tiny", data_dir, tmp_path / "run", **extra), tmp_path / "log")
   metrics = tmp_path / "run" / "metrics.jsonl"
@@ -111,12 +112,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
   while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
     assert proc.poll() is None and time.time() - t0 < 300, proc.output()
     time.sleep(0.05)
-  proc.proc.send_signal(signal.SIGTERM)
+  proc.proc.send_signal(sig)
   code, out = proc.finish(timeout=300)
   assert code == 0, out
-  assert "SIGTERM" in out
+  assert f"{sig.name} — checkpoint saved at step" in out and "re-run the same command to resume" in out
   steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit())
   assert len(steps) == 1 and 2 <= steps[0] < 1000  # the signal lands after step 2 logged
+
+
+def test_a_refused_resume_leaves_the_workdir_as_it_was(data_dir, tmp_path):
+  """Resuming with a model the checkpoint does not fit is refused, and config.json (what `moc_jax.eval` reads
+  the run with) still describes the run that wrote the checkpoint."""
+  config = moc_jax.load_config("configs/vanilla.py:tiny", tu.overrides(data_dir))
+  main_lib.train(config, str(tmp_path))
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  other = moc_jax.load_config("configs/vanilla.py:tiny", {**tu.overrides(data_dir), "model.mlp_dim": 96})
+  with pytest.raises(moc_jax.CheckpointError, match="do not match|does not match"):
+    main_lib.train(other, str(tmp_path))
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_nonfinite_updates_are_skipped_counted_and_never_saved(data_dir, tmp_path, monkeypatch):
