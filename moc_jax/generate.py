@@ -26,7 +26,7 @@ from flax import nnx
 from moc_jax import cli, sharding
 from moc_jax.config import load_run_config, validate
 from moc_jax.config.schema import DECODE_ROUTINGS, base_config
-from moc_jax.data.tokenizers import get_tokenizer
+from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import UsageError
 from moc_jax.model import decode
 from moc_jax.model.routing import resolve_decode_routing
@@ -130,7 +130,7 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
   config = load_run_config(workdir, overrides)
   validate(config)
   config.lock()
-  tokenizer = get_tokenizer(config.data.tokenizer)
+  tokenizer = model_tokenizer(config)
   encoded = [tokenizer.encode(p) for p in prompts]
   limit, longest = config.model.max_seq_len, max(len(e) for e in encoded)
   if min(len(e) for e in encoded) == 0:

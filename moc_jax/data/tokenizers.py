@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from moc_jax.errors import DataError
+from moc_jax.errors import ConfigError, DataError
 
 Offsets = list[tuple[int, int]]
 
@@ -179,3 +179,14 @@ def get_tokenizer(spec: str) -> Tokenizer:
       raise DataError(f"config.data.tokenizer: unknown spec {spec!r}; use 'byte', 'hf:<path/tokenizer.json>' "
                       "or 'sp:<path/model.model>'")
   return _CACHE[spec]
+
+
+def model_tokenizer(config) -> Tokenizer:
+  """`config.data.tokenizer`, checked against the model it feeds: every id it can produce needs an embedding
+  row (an id past `model.vocab_size` reads garbage and the run ends in NaN, or crashes on an accelerator)."""
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ConfigError(f"config.data.tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} ids but "
+                      f"config.model.vocab_size is {config.model.vocab_size} — set --config.model.vocab_size="
+                      f"{tokenizer.vocab_size} (or more), or use the tokenizer the model was built for")
+  return tokenizer

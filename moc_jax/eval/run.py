@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from moc_jax import data as data_lib
+from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
 from moc_jax.config import memory_layers
 from moc_jax.errors import ConfigError, DataError
@@ -75,7 +76,7 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   if o.quantize_bank and not memory_layers(config):
     raise ConfigError(f"--quantize_bank={o.quantize_bank}: {config.name} has no memory bank to quantize")
   out_path = os.path.abspath(o.out or os.path.join(workdir, "eval.json"))
-  tokenizer = data_lib.get_tokenizer(config.data.tokenizer)
+  tokenizer = model_tokenizer(config)
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = build_state(config, mesh)

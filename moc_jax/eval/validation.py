@@ -4,7 +4,7 @@ make_evaluator=ValidationEvaluator)`), so training does not depend on evaluation
 from __future__ import annotations
 
 from moc_jax import data as data_lib
-from moc_jax.data.tokenizers import get_tokenizer
+from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.eval.ce import CEEvaluator, split_batches
 from moc_jax.eval.probes import ProbeEvaluator, select_probes
 
@@ -17,7 +17,7 @@ class ValidationEvaluator:
     self.probes = None
     if config.data.name == "moc_facts":
       probes = select_probes(data_lib.load_probes(config.data), config.train.num_probes, config.seed)
-      self.probes = ProbeEvaluator(graphdef, probes, get_tokenizer(config.data.tokenizer))
+      self.probes = ProbeEvaluator(graphdef, probes, model_tokenizer(config))
 
   def __call__(self, params) -> dict:
     out = self.ce(params)

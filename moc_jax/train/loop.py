@@ -20,6 +20,7 @@ from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
 from moc_jax import flops, optim, sharding
 from moc_jax.config import routing_statement
+from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
 from moc_jax.state import build_state, micro_batch_config
@@ -78,6 +79,7 @@ def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
 
 def _train(config, workdir, mesh, make_evaluator):
   t = config.train
+  model_tokenizer(config)  # ids past the embedding are refused before anything is built
   layout = build_state(config, mesh)
   graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
   log.warning("moc_jax: mesh %s over %d devices (%d processes)%s", dict(mesh.shape), mesh.size, jax.process_count(),

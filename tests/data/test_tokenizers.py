@@ -1,7 +1,7 @@
 """Tokenizers: byte-level ids and round trip; HF and SentencePiece tokenizers trained offline here."""
 import pytest
 
-from moc_jax.errors import DataError
+from moc_jax.errors import ConfigError, DataError
 from moc_jax.data.tokenizers import _char_offsets_from_bytes, get_tokenizer
 
 def test_byte_ids_and_round_trip():
@@ -58,3 +58,20 @@ def test_bad_tokenizer_spec_raises_data_error(spec, words):
     get_tokenizer(spec)
   for w in words:
     assert w in str(e.value)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(hf_path, tmp_path):
+  """A 300-id tokenizer on the tiny model's 260 embedding rows: refused by name and number, before training
+  builds anything (the run would otherwise read garbage rows and end in NaN); 300 rows accept it."""
+  import moc_jax
+  from moc_jax import main as main_lib
+  from moc_jax.data.tokenizers import model_tokenizer
+  config = moc_jax.load_config("configs/moc.py:tiny", {"data.tokenizer": f"hf:{hf_path}"})
+  message = "has 300 ids but config.model.vocab_size is 260 — set --config.model.vocab_size=300"
+  with pytest.raises(ConfigError, match=message):
+    model_tokenizer(config)
+  with pytest.raises(ConfigError, match=message):
+    main_lib.train(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "config.json").exists()
+  bigger = moc_jax.load_config("configs/moc.py:tiny", {"data.tokenizer": f"hf:{hf_path}", "model.vocab_size": 300})
+  assert model_tokenizer(bigger).vocab_size == 300
