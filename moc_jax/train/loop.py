@@ -6,6 +6,7 @@ same losses as one that never stopped (same config and seed, CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from moc_jax.state import build_state, micro_batch_config
 from moc_jax.train import peaks
 from moc_jax.train.metrics import MetricsWriter
 from moc_jax.train.step import jit_train_step
+from moc_jax.train.workdir_lock import workdir_lock
 
 log = logging.getLogger("moc_jax")
 
@@ -73,7 +75,8 @@ def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
   os.makedirs(workdir, exist_ok=True)
   warn_if_not_causal(config)
   mesh = sharding.make_mesh(config)
-  with sharding.activate(mesh, sharding.rules_of(config)):
+  lock = workdir_lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  with lock, sharding.activate(mesh, sharding.rules_of(config)):
     return _train(config, workdir, mesh, make_evaluator)
 
 

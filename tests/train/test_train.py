@@ -207,3 +207,18 @@ def test_resume_with_another_process_count_is_refused_with_the_fix(tmp_path):
   (tmp_path / "one").mkdir()
   (tmp_path / "one" / "process_0-of-1.json").write_text("{}")
   ckpt_lib._check_process_count(str(tmp_path / "one"))
+
+
+def test_one_training_run_per_workdir(data_dir, tmp_path, caplog):
+  """A second run on a workdir in use is refused, naming the holder, and writes nothing there; a lock left
+  by a run that died without releasing it (its pid in the file, no flock held) is taken over."""
+  from moc_jax.train.workdir_lock import LOCK_FILE, workdir_lock
+  config = moc_jax.load_config("configs/vanilla.py:tiny", tu.overrides(data_dir))
+  with workdir_lock(str(tmp_path)):
+    with pytest.raises(TrainingError, match=f"in use by another training run \\(pid {os.getpid()} on host"):
+      main_lib.train(config, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+  (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 999999, "started": "2026-01-01 00:00:00"}))
+  main_lib.train(config, str(tmp_path))
+  assert "(pid 999999 on host h, started 2026-01-01 00:00:00) taken over" in caplog.text
+  assert (tmp_path / LOCK_FILE).read_text() == ""  # released
