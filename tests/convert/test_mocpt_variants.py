@@ -6,7 +6,6 @@ state_dict in MoC-PT's layout plus a right-padded batch, loads the state through
 and compares chapter choices, logits, eval CE and train CE + router aux (float32, rel. error <= 1e-5).
 """
 import json
-import logging
 import os
 
 import jax
@@ -158,7 +157,6 @@ def _nan_model(config):
 
 def _run_ours(model_cfg, memory_cfg, state, ids, mask):
   """Our model, loaded from the MoC-PT state; one compile returns the train- and eval-mode outputs."""
-  logging.getLogger("moc_jax").setLevel(logging.ERROR)  # the non-causal routing warning is expected
   config = config_from_mocpt(model_cfg, memory_cfg, compute_dtype="float32")
   model = _nan_model(config)
   load_mocpt_state(model, state)
