@@ -50,8 +50,8 @@ def validate(c) -> None:
     _fail("model.num_heads", f"head_dim {m.d_model // m.num_heads} is odd", "RoPE needs an even head_dim")
   if "data" in c:
     validate_data(c.data)
-  if "data" in c and c.data.seq_len > m.max_seq_len:
-    _fail("data.seq_len", f"{c.data.seq_len} > model.max_seq_len {m.max_seq_len}", "shorten data.seq_len")
+    if c.data.seq_len > m.max_seq_len:
+      _fail("data.seq_len", f"{c.data.seq_len} > model.max_seq_len {m.max_seq_len}", "shorten data.seq_len")
   if "train" in c:
     _validate_train(c)
   if mem.enabled:
