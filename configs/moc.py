@@ -1,7 +1,7 @@
 """Mixture-of-Chapters models: `--config=configs/moc.py:NAME[,runlocal]`.
 
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
-Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo) run through launch/sweep.py.
+Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing) run through launch/sweep.py.
 """
 from moc_jax.config import schema
 
@@ -131,7 +131,29 @@ def _demo(c):
           for d in (16, 8, 4)]
 
 
-SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo}
+SEEDS = (0, 1, 2)
+BALANCES = ("mocpt", "routed", "aux_free")
+ROUTINGS = ("sequence", "segment", "prefix")
+
+
+def _seeds(points):
+  """Every point once per seed (model initialisation and data order)."""
+  return [{**p, "seed": s, "data.seed": s} for p in points for s in SEEDS]
+
+
+def _routing(c):
+  """Does the memory pay, and which router gets it to: the backbone, its iso-FLOP vanilla and MoC under every
+  load balance x routing (aux_free: the bias alone, no loss term), 3 seeds each (docs/routing.md)."""
+  arms = [NO_MEMORY, {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}]
+  for balance in BALANCES:
+    for routing in ROUTINGS:
+      arms.append({"memory.load_balance": balance, "memory.routing": routing,
+                   **({"memory.load_balance_coef": 0.0} if balance == "aux_free" else {})})
+  return _seeds(arms)
+
+
+SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
+          "routing": _routing}
 
 
 def get_sweep(name, config):

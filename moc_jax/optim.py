@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -73,8 +74,11 @@ def make_optimizer(t, params) -> optax.GradientTransformation:
   transforms = {g: group_tx(lrs[g]) for g in GROUPS}
   if t.freeze_bank:
     transforms["bank"] = optax.set_to_zero()
+  labels = group_labels(params)
+  if "fixed" in jax.tree.leaves(labels):  # the aux-free balance bias: no gradient step, no weight decay
+    transforms["fixed"] = optax.set_to_zero()
   chain = [optax.clip_by_global_norm(t.clip_norm)] if t.clip_norm > 0 else []
-  return optax.chain(*chain, optax.multi_transform(transforms, group_labels(params)))
+  return optax.chain(*chain, optax.multi_transform(transforms, labels))
 
 
 def current_lrs(t, update_count) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """What a sweep's runs reached (`python launch/collect.py sweeps/<name>`): per run the final validation CE,
-fact recall, training FLOPs (moc_jax/flops.py on the run's config.json), parameters total / active, tokens
-and wall time, as results.csv and results.md; power-law fits of the loss against training compute, bank
+fact recall, router health, training FLOPs (moc_jax/flops.py on the run's config.json), parameters total /
+active, tokens and wall time, as results.csv and results.md; runs that differ only in their seed as mean ±
+standard error (seeds.csv and results.md); power-law fits of the loss against training compute, bank
 size (at fixed compute) and top-k (at fixed bank); loss_vs_*.png. A run without its final evaluation is
 listed as failed or unfinished and kept out of the fits, never dropped.
 """
@@ -10,6 +11,7 @@ import csv
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 
@@ -17,7 +19,9 @@ from moc_jax import sweeps
 
 CONFIDENCE = 0.95
 COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
-           "params_total", "params_active", "val_ce", "fact_recall", "exact_match", "wall_s", "note")
+           "params_total", "params_active", "val_ce", "fact_recall", "exact_match", "router_used_frac",
+           "router_shared_mass", "wall_s", "note")
+SEED_METRICS = ("val_ce", "fact_recall", "exact_match", "router_used_frac", "router_shared_mass")
 # (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
 FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
         ("bank", "bank_tokens", sweeps.BANK_KEYS, "bank tokens"),
@@ -92,7 +96,38 @@ def _row(sweep_dir, entry):
     reached = max((r["step"] for r in sweeps.read_metrics(workdir) if "split" not in r), default=0)
     return unfinished(f"reached step {reached} of {steps}")
   return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
-          "exact_match": final.get("probe_exact")}
+          "exact_match": final.get("probe_exact"), **_router_health(workdir)}
+
+
+def _router_health(workdir) -> dict:
+  """The last training log row's router health, averaged over memory layers: the share of routable chapters
+  read in its window, and the router probability on the shared chapters."""
+  train = [r for r in sweeps.read_metrics(workdir) if "split" not in r]
+  out = {}
+  for key in ("router_used_frac", "router_shared_mass"):
+    values = [v for k, v in (train[-1] if train else {}).items() if k.startswith(key + "_L")]
+    if values:
+      out[key] = float(np.mean(values))
+  return out
+
+
+def seed_groups(rows) -> list[dict]:
+  """Finished runs that differ only in their seed (`<point>-seed<N>`), as one row per point: n and, for each
+  SEED_METRICS column, the mean and standard error over seeds (sample standard deviation / sqrt(n))."""
+  groups = {}
+  for r in rows:
+    if r["status"] == "done" and re.search(r"-seed\d+$", r["run"]):
+      groups.setdefault(re.sub(r"-seed\d+$", "", r["run"]), []).append(r)
+  out = []
+  for name, members in groups.items():
+    row = {"point": name, "n": len(members), "kind": members[0]["kind"]}
+    for key in SEED_METRICS:
+      values = np.array([m[key] for m in members if m.get(key) is not None], np.float64)
+      if len(values):
+        row[key] = float(values.mean())
+        row[key + "_se"] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+    out.append(row)
+  return out
 
 
 # ---- fits -------------------------------------------------------------------------------------------
@@ -132,22 +167,37 @@ def _cell(key, value):
     return f"{value:,.0f}"
   if key == "val_ce":
     return f"{value:.4f}"
-  if key in ("fact_recall", "exact_match"):
+  if key in ("fact_recall", "exact_match", "router_used_frac", "router_shared_mass"):
     return f"{value:.3f}"
   if key == "wall_s":
     return f"{value:.0f}"
   return str(value)
 
 
+def _mean_se(group, key):
+  if key not in group:
+    return ""
+  digits = 4 if key == "val_ce" else 3
+  return f"{group[key]:.{digits}f} ± {group[key + '_se']:.{digits}f}"
+
+
 def markdown(title, rows, fit_list, plots) -> str:
   header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
-            "params total", "params active", "val CE", "fact recall", "exact match", "wall s")
+            "params total", "params active", "val CE", "fact recall", "exact match", "chapters read",
+            "shared-chapter mass", "wall s")
   lines = [f"# {title}", "", f"{len(rows)} runs, {sum(r['status'] == 'done' for r in rows)} finished. Validation CE "
            "(nats/token) and fact recall (likelihood choice; exact match: greedy) at the last step; training FLOPs "
            "= the estimator's model FLOPs per token (forward + backward, memory as read) x tokens; active "
            "parameters count the bank's read chapters only.", "",
            "| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
   lines += ["| " + " | ".join(_cell(k, r.get(k)) for k in COLUMNS[:-1]) + " |" for r in rows]
+  groups = seed_groups(rows)
+  if groups:
+    lines += ["", "## Across seeds (mean ± standard error over seeds)", "",
+              "| point | kind | seeds | val CE | fact recall | exact match | chapters read | shared-chapter mass |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {g['point']} | {g['kind']} | {g['n']} | "
+              + " | ".join(_mean_se(g, k) for k in SEED_METRICS) + " |" for g in groups]
   lines += ["", f"## Fits: loss = a·x^b (least squares in log-log; {CONFIDENCE:.0%} interval of b from Student's t)",
             ""]
   if fit_list:
@@ -223,6 +273,12 @@ def collect(sweep_dir: str, out_dir: str | None = None) -> str:
   if "config" in entry:
     title += f": `--config={entry['config']} --sweep={entry['sweep']}`"
   write_csv(rows, os.path.join(out_dir, "results.csv"))
+  groups = seed_groups(rows)
+  if groups:
+    with open(os.path.join(out_dir, "seeds.csv"), "w", newline="") as f:
+      writer = csv.DictWriter(f, ["point", "kind", "n", *(k + s for k in SEED_METRICS for s in ("", "_se"))])
+      writer.writeheader()
+      writer.writerows(groups)
   text = markdown(title, rows, fit_list, plot(rows, fit_list, out_dir))
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(text)

@@ -21,6 +21,9 @@ def routing_statement(c) -> str:
     return "no memory layers: causal"
   if routing_is_causal(c):
     return f"memory.routing={c.memory.routing}: causal (no position reads chapters chosen from later tokens)"
+  if c.memory.routing == "segment":
+    return ("memory.routing=segment: NOT causal (each document's chapters are chosen from all its tokens, "
+            "future ones included)")
   return ("memory.routing=sequence: NOT causal (each row's chapters are chosen from all its tokens, "
           "future ones included; MoC-PT's paper mode)")
 

@@ -19,10 +19,11 @@ PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
-ROUTINGS = ("sequence", "token", "prefix", "chunk")
+ROUTINGS = ("sequence", "segment", "token", "prefix", "chunk")
 CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend only on tokens at or before it
 DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
 SHARDED_READS = ("auto", "ring", "scatter")
+LOAD_BALANCES = ("mocpt", "routed", "aux_free")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
@@ -88,7 +89,9 @@ def base_config():
   mem.token_norm = "rms"         # rms | layernorm | none : parameter-free norm of selected memory tokens
   mem.token_norm_eps = 1e-5
   mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
-  mem.routing = "sequence"       # sequence (MoC-PT's paper mode; NOT causal) | token | prefix | chunk (causal)
+  # sequence (MoC-PT's paper mode) | segment (one decision per packed document): NOT causal;
+  # token | prefix | chunk: causal (prefix and chunk pool within the position's document)
+  mem.routing = "sequence"
   mem.routing_chunk = 64         # chunk routing: positions per routing decision
   # cached decoding: auto (the training routing if causal, else sequence) | sequence (routed once on the
   # prompt) | rolling | hybrid (MoC-PT's decode-only strategies) | token | prefix | chunk
@@ -97,7 +100,12 @@ def base_config():
   mem.attention_impl = "auto"    # token/prefix/chunk reads: auto | pallas | xla | reference (kernels_pallas)
   mem.init_std = 0.02
   mem.wo_init_zero = True
+  # mocpt: MoC-PT's Switch term C·Σ f·P, exact (P counts the shared chapters, f does not) | routed: the Switch term
+  # over the routable chapters only (1 when uniform) | aux_free: a per-chapter bias on the top-k choice moved by
+  # aux_free_rate each update (DeepSeek-V3), plus the `routed` term weighted by load_balance_coef (0: the bias alone)
+  mem.load_balance = "mocpt"
   mem.load_balance_coef = 0.01   # 0 disables the term
+  mem.aux_free_rate = 0.01       # aux_free: the bias step γ per update
   mem.z_loss_coef = 0.001
   mem.mse_aux_coef = 0.0
   t = c.train = config_dict.ConfigDict()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
 from moc_jax.config.schema import (ATTENTION_IMPLS, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
-                                   PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS,
-                                   TOKEN_NORMS, VARIANTS)
+                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES,
+                                   SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import validate_mesh
 
@@ -80,11 +80,13 @@ def _validate_memory(c):
   _enum(c, "memory.routing", ROUTINGS)
   _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
   _enum(c, "memory.sharded_read", SHARDED_READS)
+  _enum(c, "memory.load_balance", LOAD_BALANCES)
   _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
   for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
             "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk", "routing_window"):
     _positive(c, f"memory.{f}")
-  for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef"):
+  for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef",
+            "aux_free_rate"):
     _positive(c, f"memory.{f}", allow_zero=True)
   if mem.dim is not None and mem.dim <= 0:
     _fail("memory.dim", f"must be > 0 or None, got {mem.dim}", "leave it None to use d_model")

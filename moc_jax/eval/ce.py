@@ -18,10 +18,13 @@ def split_batches(config, split: str) -> list[dict]:
                                          max_batches=config.train.eval_batches))
 
 
+ROUTING_STATS = ("shared_mass", "routed_entropy")  # per memory layer and batch, averaged by eval.routing.Usage
+
+
 class CEEvaluator:
   """CE and perplexity over `batches`, one jitted forward per batch. With `routing=True` the step also
-  returns the routing decisions (aux `chapters`) for the call's `on_routing`; without, it computes CE alone
-  (the training loop's evaluation)."""
+  returns the routing decisions (aux `chapters`) and the routers' per-layer `ROUTING_STATS` for the call's
+  `on_routing`; without, it computes CE alone (the training loop's evaluation)."""
 
   def __init__(self, graphdef, p_shard, batch_sharding, batches, routing=False):
     self.batches, self.sharding, self.routing = batches, batch_sharding, routing
@@ -31,7 +34,9 @@ class CEEvaluator:
       nll, count = next_token_nll(logits, batch["labels"])
       if not routing:
         return nll, count
-      return nll, count, (everywhere(aux["chapters"]) if "chapters" in aux else None)
+      if "chapters" not in aux:
+        return nll, count, None
+      return nll, count, {k: everywhere(aux[k]) for k in ("chapters", *ROUTING_STATS)}
 
     self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
 
@@ -44,6 +49,6 @@ class CEEvaluator:
                                for k, v in b.items()})
       nll, count = nll + float(out[0]), count + int(out[1])
       if on_routing is not None and self.routing and out[2] is not None:
-        on_routing(np.asarray(out[2]), b["attention_mask"])
+        on_routing(jax.tree.map(np.asarray, out[2]), b["attention_mask"])
     ce = nll / max(count, 1)
     return {"ce": ce, "ppl": float(np.exp(min(ce, 50.0))), "tokens": count}

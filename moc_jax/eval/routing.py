@@ -1,8 +1,9 @@
 """Where the routers send an evaluation set, and what the chapters they pick are worth.
 
 Usage: per memory layer, how often each chapter is *routed to* over the routing decisions of the
-eval split — one decision per row (`sequence` routing), per real position (`token`, `prefix`) or per chunk
-holding a real position (`chunk`); decisions that see only padding are not counted. Shared chapters are
+eval split — one decision per row (`sequence` routing), per real position (`segment`, `token`, `prefix`; a
+document's `segment` decision counts once per token) or per chunk holding a real position (`chunk`; per
+position on packed rows); decisions that see only padding are not counted. Shared chapters are
 read by every decision and are left out: counts, entropy and coverage are over the routable chapters.
 
 Stability: for each fact-recall probe the routed chapter set of its prompt is compared, by Jaccard overlap
@@ -30,10 +31,11 @@ from moc_jax import sharding
 from moc_jax.config import bank_ids, memory_layers
 from moc_jax.errors import ConfigError
 from moc_jax.eval.scoring import chunk_rows, everywhere, in_chunks, pad_rows
+from moc_jax.router_health import load_stats
 
 
 def decision_mask(attention_mask, routing: str, chunk: int):
-  """Which routing decisions see at least one real token: [B] (sequence), [B, L] (token, prefix) or
+  """Which routing decisions see at least one real token: [B] (sequence), [B, L] (segment, token, prefix) or
   [B, ceil(L / chunk)] (chunk)."""
   valid = np.asarray(attention_mask).astype(bool)
   if routing == "sequence":
@@ -60,17 +62,26 @@ class Usage:
     self.routing, self.chunk, self.num_shared = mem.routing, mem.routing_chunk, mem.num_shared
     self.counts = np.zeros((len(self.layers), mem.num_chapters), np.int64)
     self.decisions = 0
+    self.router_sums, self.batches = {}, 0  # per-layer router statistics summed over batches
 
-  def add(self, chapters, attention_mask) -> None:
-    """chapters: aux["chapters"] of one batch; attention_mask: its [B, L] mask."""
-    valid = decision_mask(attention_mask, self.routing, self.chunk)
-    ids = routed_ids(np.asarray(chapters), self.routing, self.num_shared)
+  def add(self, routing, attention_mask) -> None:
+    """routing: one batch's aux `chapters` and per-layer router statistics (eval.ce.ROUTING_STATS);
+    attention_mask: its [B, L] mask."""
+    chapters = np.asarray(routing["chapters"])
+    per_position = chapters.ndim == 4 and chapters.shape[2] == np.shape(attention_mask)[1]  # packed chunk rows too
+    valid = decision_mask(attention_mask, "prefix" if per_position else self.routing, self.chunk)
+    ids = routed_ids(chapters, self.routing, self.num_shared)
     for i in range(len(self.layers)):
       self.counts[i] += np.bincount(ids[i][valid].reshape(-1), minlength=self.counts.shape[1])
     self.decisions += int(valid.sum())
+    for k, v in routing.items():
+      if k != "chapters":
+        self.router_sums[k] = self.router_sums.get(k, 0.0) + np.asarray(v, np.float64)
+    self.batches += 1
 
   def stats(self) -> list[dict]:
-    """Per memory layer: selections, coverage, usage entropy (nats) and the most used chapters."""
+    """Per memory layer: selections, coverage, max/mean load, usage entropy (nats), the most used chapters, and
+    the router's mean shared-chapter mass and routable-softmax entropy over the batches."""
     out = []
     for i, (layer, bank) in enumerate(zip(self.layers, self.banks)):
       routable = self.counts[i, self.num_shared:]
@@ -81,11 +92,22 @@ class Usage:
       out.append({"layer": layer, "bank": bank, "decisions": self.decisions, "routed_selections": total,
                   "chapters_selected": int((routable > 0).sum()),
                   "chapters_selected_frac": float((routable > 0).mean()),
+                  "max_load": load_stats(self.counts[i], self.num_shared)["max_load"],
                   "usage_entropy": entropy, "usage_entropy_max": math.log(len(routable)),
                   "effective_chapters": math.exp(entropy),
+                  **{k: float(v[i] / self.batches) for k, v in self.router_sums.items()},
                   "top_chapters": [[int(c + self.num_shared), int(routable[c])] for c in top if routable[c]],
                   "counts": self.counts[i].tolist()})
     return out
+
+
+def balance_bias_spread(params, num_shared):
+  """Per memory layer, max - min of the aux-free balance bias over the routable chapters (None without one)."""
+  leaves = [np.asarray(v[...]) for path, v in nnx.to_flat_state(params) if "balance_bias" in map(str, path)]
+  if not leaves:
+    return None
+  bias = np.concatenate([x.reshape(-1, x.shape[-1]) for x in leaves])[:, num_shared:]  # memory-layer order
+  return (bias.max(-1) - bias.min(-1)).tolist()
 
 
 # --- stability ------------------------------------------------------------------------------------

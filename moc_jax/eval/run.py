@@ -101,8 +101,11 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
                        for name, (fmt, path, qs) in questions.items()}
     report["files"] = {"eval_json": out_path}
     if usage is not None and o.analyze_routing:
-      report["routing"] = {"routing": config.memory.routing, "num_shared": config.memory.num_shared,
-                           "layers": usage.stats()}
+      report["routing"] = {"routing": config.memory.routing, "load_balance": config.memory.load_balance,
+                           "num_shared": config.memory.num_shared, "layers": usage.stats()}
+      spread = ra.balance_bias_spread(params, config.memory.num_shared)
+      for layer, value in zip(report["routing"]["layers"], spread or ()):
+        layer["bias_spread"] = value
       if probes:
         report["routing"]["stability"] = ra.stability(ra.Router(graphdef), params, probes, tokenizer, config)
       stem = os.path.splitext(out_path)[0]
@@ -191,13 +194,16 @@ def markdown_table(report: dict) -> str:
   if routing:
     stab = {s["layer"]: s for s in routing.get("stability", [])}
     lines += ["", f"routing ({routing['routing']}; shared chapters not counted):", "",
-              "| memory layer | chapters ever selected | usage entropy / max (nats) | effective chapters | "
-              "Jaccard paraphrase | Jaccard other entity |", "|---:|---:|---:|---:|---:|---:|"]
+              "| memory layer | chapters ever selected | max / mean load | usage entropy / max (nats) | "
+              "effective chapters | shared-chapter mass | routed softmax entropy | Jaccard paraphrase | "
+              "Jaccard other entity |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in routing["layers"]:
       s = stab.get(r["layer"], {})
       jac = " | ".join(f"{s.get(k, float('nan')):.3f}" for k in ("paraphrase_jaccard", "other_entity_jaccard"))
       lines.append(f"| {r['layer']} | {r['chapters_selected']} ({r['chapters_selected_frac']:.0%}) | "
-                   f"{r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | {r['effective_chapters']:.1f} | {jac} |")
+                   f"{r['max_load']:.2f} | {r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | "
+                   f"{r['effective_chapters']:.1f} | {r.get('shared_mass', float('nan')):.3f} | "
+                   f"{r.get('routed_entropy', float('nan')):.2f} | {jac} |")
   q = report.get("quantized_bank")
   if q:
     lines += ["", f"{q['bits']} bank ({q['bank_bytes'] / 1e6:.2f} MB, float32 {q['float_bank_bytes'] / 1e6:.2f} MB): "

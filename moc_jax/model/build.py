@@ -7,7 +7,7 @@ import logging
 import numpy as np
 from flax import nnx
 
-from moc_jax.config import routing_is_causal, validate
+from moc_jax.config import routing_is_causal, routing_statement, validate
 from moc_jax.model.transformer import Transformer
 
 log = logging.getLogger("moc_jax")
@@ -15,8 +15,7 @@ log = logging.getLogger("moc_jax")
 
 def warn_if_not_causal(config):
   if not routing_is_causal(config):
-    log.warning("moc_jax: memory.routing='sequence' is NOT causal: each position's chapters depend on "
-                "future tokens of its sequence (MoC-PT's paper mode, kept exact for parity).")
+    log.warning("moc_jax: %s", routing_statement(config))
 
 
 def build_model(config, seed: int = 0):
@@ -33,8 +32,11 @@ def abstract_model(config):
 
 
 def param_groups(path) -> str:
-  """'bank' | 'memory' | 'base' for a parameter path (MoC-PT's optimizer groups, docs/mocpt_semantics.md)."""
+  """'bank' | 'memory' | 'base' for a parameter path (MoC-PT's optimizer groups, docs/mocpt_semantics.md), or
+  'fixed' for the aux-free balance bias (outside the optimizer: the train step moves it)."""
   names = [str(p) for p in path]
+  if "balance_bias" in names:
+    return "fixed"
   if "bank" in names:
     return "bank"
   if "memory" in names or "post_memory_norm" in names or "post_memory_mlp" in names:
@@ -43,11 +45,14 @@ def param_groups(path) -> str:
 
 
 def count_params(config) -> dict:
-  """Parameter counts {total, backbone, bank, memory_layers} from shapes alone (no allocation)."""
+  """Parameter counts {total, backbone, bank, memory_layers} from shapes alone (no allocation); the aux-free
+  balance bias is routing state, not a trained parameter, and is not counted."""
   counts = {"backbone": 0, "bank": 0, "memory_layers": 0}
   key = {"base": "backbone", "bank": "bank", "memory": "memory_layers"}
   state = nnx.state(abstract_model(config), nnx.Param)
   for path, leaf in nnx.to_flat_state(state):
+    if param_groups(path) == "fixed":
+      continue
     n = int(np.prod(leaf.shape))
     if key[param_groups(path)] == "bank":  # chapters padded for sharding are not parameters
       n = n // leaf.shape[1] * config.memory.num_chapters

@@ -3,16 +3,18 @@ routing.py). MoC-PT's semantics: docs/mocpt_semantics.md.
 
 `memory.routing` picks what a routing decision sees:
 * `sequence` — MoC-PT's paper mode, exact: one decision per row on the mean of every position (pads
-  and future tokens included, so NOT causal). Route on the *layer input* -> gather the shared chapters
+  and future tokens included, so NOT causal; a packed row's documents share the decision). Route on the *layer input* -> gather the shared chapters
   then the routed ones -> parameter-free token norm -> scale every token by its chapter weight -> K/V
   projections -> one joint softmax over all selected tokens -> zero-initialised W_o.
 * `token` — MoC-PT's token mode: every position routes on its own layer input; shared chapters are
   read by their own attention (weight 1), each routed chapter by its own softmax, summed with weights
   `routed_scaling_factor * w`.
-* `prefix` — causal sequence mode: position t routes on the mean of the non-pad inputs at <= t.
-* `chunk` — block-causal: positions of chunk j (`routing_chunk` long) route on the mean of the non-pad
-  inputs before the chunk (chunk 0 on the router bias alone).
-`prefix` and `chunk` mix chapters as `sequence` does (weights scale keys and values, one softmax).
+* `segment` — sequence routing per document: each document of a packed row routes on the mean of its
+  own non-pad inputs (MoC-PT's one-document rows without their padding); NOT causal.
+* `prefix` — causal sequence mode: position t routes on the mean of its document's non-pad inputs at <= t.
+* `chunk` — block-causal: positions of chunk j (`routing_chunk` long) route on the mean of their
+  document's non-pad inputs before the chunk (none: the router bias alone).
+`segment`, `prefix` and `chunk` mix chapters as `sequence` does (weights scale keys and values, one softmax).
 The per-position modes project the (normalised) bank's keys and values once per layer call and read
 them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
 Cached decoding (`MemoryLayer.decode`) routes by `memory.decode_routing`, which adds the decode-only
@@ -108,7 +110,8 @@ class MemoryLayer(nnx.Module):
   """Router + memory norm + cross-attention for one memory layer.
 
   `route_input` is the layer input (the residual stream before the block's norms); `x` is the
-  residual stream at the point the block reads memory; `valid` [B, L] marks non-pad positions.
+  residual stream at the point the block reads memory; `valid` [B, L] marks non-pad positions and
+  `segments` [B, L] the documents of packed rows (segment, prefix and chunk routing stay inside one).
   """
 
   def __init__(self, cfg, rngs):
@@ -116,6 +119,7 @@ class MemoryLayer(nnx.Module):
     self.num_shared, self.top_k = mem.num_shared, mem.top_k
     self.scaling = mem.routed_scaling_factor
     self.routing, self.chunk = mem.routing, mem.routing_chunk
+    self.load_balance = mem.load_balance
     self.decode_routing, self.window = resolve_decode_routing(mem), mem.routing_window
     self.attention_impl = mem.attention_impl
     # MoC-PT skips the token norm when there are no shared chapters (or no routed ones).
@@ -130,8 +134,12 @@ class MemoryLayer(nnx.Module):
     """Router logits of routing inputs `pooled` [..., d] -> (routed ids, routed weights) per decision,
     and the router statistics."""
     logits = self.router(pooled)
-    probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k)
-    return routed_ids, routed_w, router_losses(logits, probs, routed_ids)
+    bias = self.router.balance_bias
+    probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k, None if bias is None else bias[...])
+    stats = router_losses(logits, probs, routed_ids, self.num_shared, self.load_balance)
+    if bias is not None:
+      stats["bias_spread"] = jnp.max(bias[self.num_shared:]) - jnp.min(bias[self.num_shared:])
+    return routed_ids, routed_w, stats
 
   def select(self, pooled, bank):
     """One decision per row (pooled [B, d]): routes and gathers.
@@ -144,8 +152,8 @@ class MemoryLayer(nnx.Module):
     stats.update(chapters=chapters, weights=weights)
     return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
-  def __call__(self, h, route_input, bank, valid=None):
-    pooled = routing_input(route_input, valid, self.routing, self.chunk)
+  def __call__(self, h, route_input, bank, valid=None, segments=None):
+    pooled = routing_input(route_input, valid, self.routing, self.chunk, segments)
     if self.routing == "sequence":
       tokens, stats = self.select(pooled, bank)
       return self.attn(self.norm(h), tokens), stats
@@ -191,7 +199,7 @@ class MemoryLayer(nnx.Module):
     return k, v, ids
 
   def read_per_position(self, h, pooled, bank, routing):
-    """token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
+    """segment / token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
     routed_ids, routed_w, stats = self.decide(pooled)
     q = self.attn.queries(self.norm(h))
 

@@ -23,7 +23,7 @@ def resolve_decode_routing(mem):
   return mem.routing if mem.routing in CAUSAL_ROUTINGS else "sequence"
 
 
-def route(logits, num_shared, top_k):
+def route(logits, num_shared, top_k, bias=None):
   """MoC-PT routing on router logits [..., C] (float32), one decision per leading index.
 
   Returns (probs [...,C] over all chapters, routed ids [...,k] in chapter space sorted by descending
@@ -32,9 +32,17 @@ def route(logits, num_shared, top_k):
   logits and a softmax over the selected ones, which we compute directly: it stays finite when the
   shared chapter takes all the probability mass (the load-balance loss's degenerate minimum), where
   the renormalisation divides 0 by 0.
+
+  `bias` [C] (aux-free balancing) shifts the top-k *choice* only: the weights of the chosen chapters are
+  still the softmax of their unbiased logits, and no gradient reaches the bias.
   """
   logits = logits.astype(jnp.float32)
-  top_logits, top_idx = jax.lax.top_k(logits[..., num_shared:], top_k)
+  routed = logits[..., num_shared:]
+  if bias is None:
+    top_logits, top_idx = jax.lax.top_k(routed, top_k)
+  else:
+    _, top_idx = jax.lax.top_k(routed + jax.lax.stop_gradient(bias[num_shared:]), top_k)
+    top_logits = jnp.take_along_axis(routed, top_idx, axis=-1)
   return jax.nn.softmax(logits, axis=-1), top_idx + num_shared, jax.nn.softmax(top_logits, axis=-1)
 
 
@@ -51,43 +59,104 @@ def with_shared(routed_ids, num_shared):
   return jnp.concatenate([jnp.broadcast_to(shared, routed_ids.shape[:-1] + (num_shared,)), routed_ids], -1)
 
 
-def router_losses(logits, probs, routed_ids):
-  """Per-layer router statistics (MoC-PT's losses): Switch load-balance (quirks kept), z-loss, MSE aux, entropy.
+def router_losses(logits, probs, routed_ids, num_shared, load_balance):
+  """Per-layer router statistics: the losses (load balance by `memory.load_balance`, z-loss, MSE aux,
+  entropy; MoC-PT's) and the router's health.
 
-  Every routing decision (a row, a position or a chunk) is one sample. f counts routed selections
-  only, so shared chapters have f = 0 while P still includes them.
+  Every routing decision (a row, a position or a chunk) is one sample. `mocpt`: MoC-PT's C·Σ f_i·P_i with
+  f = routed selections per decision (shared chapters have f = 0) and P the mean softmax over all chapters,
+  shared included — minimised by moving all probability onto the shared chapters. `routed` and `aux_free`:
+  R·Σ f_i·P_i over the R routable chapters, f the share of routed selections (sums to 1) and P the mean
+  softmax of the routable logits alone; 1 when both are uniform (Switch Transformer's loss).
+
+  Health (not losses): `load` [C] routed selections per chapter, `shared_mass` the mean probability on the
+  shared chapters, `routed_entropy` the mean entropy of the routable softmax (nats).
   """
   c = probs.shape[-1]
   logits, probs, routed_ids = (x.reshape(-1, x.shape[-1]) for x in (logits, probs, routed_ids))
-  # selections per chapter / decisions, counted without a [decisions, k, C] one-hot
-  f = jnp.zeros((c,), jnp.float32).at[routed_ids.reshape(-1)].add(1.0) / routed_ids.shape[0]
-  p_mean = jnp.mean(probs, axis=0)
+  # selections per chapter, counted without a [decisions, k, C] one-hot
+  load = jnp.zeros((c,), jnp.float32).at[routed_ids.reshape(-1)].add(1.0)
+  routed_probs = jax.nn.softmax(logits[:, num_shared:].astype(jnp.float32), axis=-1)
+  if load_balance == "mocpt":
+    balance = c * jnp.sum(load / routed_ids.shape[0] * jnp.mean(probs, axis=0))
+  else:
+    share = load[num_shared:] / jnp.maximum(jnp.sum(load[num_shared:]), 1.0)
+    balance = (c - num_shared) * jnp.sum(share * jnp.mean(routed_probs, axis=0))
   lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return {
-      "load_balance": c * jnp.sum(f * p_mean),
+      "load_balance": balance,
       "z_loss": jnp.mean(jnp.square(lse)),
       "mse_aux": jnp.mean(jnp.square(jnp.mean(jnp.square(probs), axis=0) - 1.0 / c)),
-      "entropy": jnp.mean(-jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1)),
+      "entropy": _mean_entropy(probs),
+      "load": load,
+      "shared_mass": jnp.mean(jnp.sum(probs[:, :num_shared], axis=-1)),
+      "routed_entropy": _mean_entropy(routed_probs),
   }
 
 
-def routing_input(h, valid, routing, chunk):
-  """What each routing decision sees, from the layer input h [B, L, d] and non-pad mask valid [B, L]:
-  sequence [B, d] (plain mean, pads included, as MoC-PT), token [B, L, d] (h itself), prefix [B, L, d]
-  (masked mean of positions <= t), chunk [B, ceil(L/chunk), d] (masked mean before the chunk; zeros
-  for chunk 0, so the router sees its bias alone)."""
+def _mean_entropy(probs):
+  return jnp.mean(-jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1))
+
+
+def routing_input(h, valid, routing, chunk, segments=None):
+  """What each routing decision sees, from the layer input h [B, L, d], the non-pad mask valid [B, L] and,
+  for packed rows, segment_ids [B, L] (a document is a contiguous run of one id):
+  sequence [B, d] (plain mean of the row, pads included, as MoC-PT); token [B, L, d] (h itself);
+  segment [B, L, d] (masked mean of the position's document; of the row without segment ids); prefix
+  [B, L, d] (masked mean of its document's positions <= t); chunk (masked mean of its document's positions
+  before the chunk; zeros when there are none, so the router sees its bias alone) per chunk
+  [B, ceil(L/chunk), d], or per position [B, L, d] with segment ids (a document may start inside a chunk).
+  No decision of segment, prefix or chunk routing sees another document's tokens."""
   h = h.astype(jnp.float32)
   if routing == "sequence":
     return jnp.mean(h, axis=1)
   if routing == "token":
     return h
   w = jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
-  total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
-  if routing == "chunk":  # sums up to the position before each chunk start
-    before = jnp.arange(0, h.shape[1], chunk) - 1
+  if segments is None:
+    total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
+  else:
+    total, count = document_cumsum(h * w[..., None], segments), document_cumsum(w[..., None], segments)
+  if routing == "prefix":
+    return total / jnp.maximum(count, 1.0)
+  if segments is None:  # one document per row: sequence-wide means, chunk decisions per chunk
+    if routing == "segment":
+      return jnp.broadcast_to(total[:, -1:] / jnp.maximum(count[:, -1:], 1.0), h.shape)
+    before = jnp.arange(0, h.shape[1], chunk) - 1  # sums up to the position before each chunk start
     total = jnp.where(before[None, :, None] >= 0, jnp.take(total, jnp.maximum(before, 0), axis=1), 0.0)
     count = jnp.where(before[None, :, None] >= 0, jnp.take(count, jnp.maximum(before, 0), axis=1), 0.0)
+    return total / jnp.maximum(count, 1.0)
+  first, last = document_bounds(segments)
+  if routing == "chunk":  # the document's sums up to the position before the chunk start, if inside it
+    last = jnp.arange(h.shape[1])[None, :] // chunk * chunk - 1
+  inside = (last >= first)[..., None]
+  pick = jnp.maximum(last, 0)[..., None]
+  total = jnp.where(inside, jnp.take_along_axis(total, pick, axis=1), 0.0)
+  count = jnp.where(inside, jnp.take_along_axis(count, pick, axis=1), 0.0)
   return total / jnp.maximum(count, 1.0)
+
+
+def document_bounds(segments):
+  """(first, last) position [B, L] of each position's document: its contiguous run of equal segment ids."""
+  b, length = segments.shape
+  t = jnp.broadcast_to(jnp.arange(length), (b, length))
+  change = segments[:, 1:] != segments[:, :-1]
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), change], axis=1)
+  ends = jnp.concatenate([change, jnp.ones((b, 1), bool)], axis=1)
+  return (jax.lax.cummax(jnp.where(starts, t, 0), axis=1),
+          jax.lax.cummin(jnp.where(ends, t, length - 1), axis=1, reverse=True))
+
+
+def document_cumsum(x, segments):
+  """Running sums of x [B, L, ...] along the row that restart at every document start (segment id change):
+  no sum carries a value across a document boundary, not even as rounding."""
+  starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+  starts = starts.reshape(starts.shape + (1,) * (x.ndim - 2))
+
+  def combine(a, b):
+    return jnp.where(b[1], b[0], a[0] + b[0]), a[1] | b[1]
+
+  return jax.lax.associative_scan(combine, (x, jnp.broadcast_to(starts, x.shape)), axis=1)[0]
 
 
 def per_position(x, routing, chunk, length):
@@ -148,12 +217,30 @@ def cached_decision_input(state, h, valid, routing, window):
   return {"window": recent, "seen": seen}, pooled
 
 
+class BalanceBias(nnx.Param):
+  """Aux-free balancing's per-chapter bias on the top-k choice: saved, sharded and restored with the
+  parameters, but outside the optimizer (its own group, never updated by gradients or weight decay); the
+  train step moves it after each update (`balance_bias_step`)."""
+
+
+def balance_bias_step(load, num_shared, rate):
+  """The bias change [..., C] from one update's routed selections per chapter `load` [..., C]:
+  rate * sign(mean load - load) over the routable chapters (underused chapters rise), 0 on shared ones."""
+  routable = load[..., num_shared:]
+  step = rate * jnp.sign(jnp.mean(routable, axis=-1, keepdims=True) - routable)
+  return jnp.concatenate([jnp.zeros_like(load[..., :num_shared]), step], axis=-1)
+
+
 class Router(nnx.Module):
-  """One linear router per memory layer over all C chapters (bias included, as MoC-PT)."""
+  """One linear router per memory layer over all C chapters (bias included, as MoC-PT), and the aux-free
+  balance bias when `memory.load_balance=aux_free`."""
 
   def __init__(self, cfg, rngs):
     self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapter_logits"),
                       jnp.dtype(cfg.model.compute_dtype), rngs, bias=True)
+    self.balance_bias = (BalanceBias(jnp.zeros((cfg.memory.num_chapters,)), out_sharding=("chapter_logits",),
+                                     eager_sharding=False)
+                         if cfg.memory.load_balance == "aux_free" else None)
 
   def __call__(self, pooled):
     """Logits [..., C] (float32) of routing inputs [..., d] (see `routing_input`)."""

@@ -32,14 +32,14 @@ class Block(nnx.Module):
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
 
-  def __call__(self, h, positions, mask, valid, bank):
+  def __call__(self, h, positions, mask, valid, segments, bank):
     """-> (h, router stats of the block's memory read, or None)."""
     route_input = h  # routing reads the layer input, before any norm (MoC-PT)
     stats = None
 
     def read_memory(x):
       nonlocal stats
-      out, stats = self.memory(x, route_input, bank, valid)
+      out, stats = self.memory(x, route_input, bank, valid, segments)
       return out
 
     h = self._after_attention(h + self.attn(self.attn_norm(h), positions, mask), read_memory)
@@ -78,11 +78,11 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
     self.remat = cfg.model.remat
 
-  def __call__(self, h, positions, mask, valid, banks, bank_of):
+  def __call__(self, h, positions, mask, valid, segments, banks, bank_of):
     """-> (h, router stats of the memory blocks)."""
     stats = []
     for block, bank in zip(self.blocks, self._banks(banks, bank_of)):
-      h, s = self._run(block, h, positions, mask, valid, bank)
+      h, s = self._run(block, h, positions, mask, valid, segments, bank)
       if s is not None:
         stats.append(s)
     return h, stats
@@ -104,14 +104,14 @@ class Group(nnx.Module):
       mem_i += block.memory is not None
     return out
 
-  def _run(self, block, h, positions, mask, valid, bank):
+  def _run(self, block, h, positions, mask, valid, segments, bank):
     if self.remat == "none":
-      return block(h, positions, mask, valid, bank)
+      return block(h, positions, mask, valid, segments, bank)
     # functional remat: the block is read-only here, and unlike nnx.remat this also works on a module
     # merged outside an enclosing jax loop (e.g. greedy decoding in a fori_loop)
     graphdef, state = nnx.split(block)
     fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a), policy=_REMAT_POLICIES[self.remat])
-    return fn(state, h, positions, mask, valid, bank)
+    return fn(state, h, positions, mask, valid, segments, bank)
 
 
 def _first(h_stats):
@@ -132,8 +132,9 @@ class Transformer(nnx.Module):
   """`model(input_ids, attention_mask=None, *, train=False) -> (logits [B,L,V] f32, aux)`.
 
   aux: `router_loss` (mean over memory layers of the weighted router losses; the training loss adds
-  it, evaluation does not) and per-memory-layer `load_balance`, `z_loss`, `mse_aux`, `entropy`
-  [n_mem], `chapters` / `weights` [n_mem, B, shared+top_k].
+  it, evaluation does not) and per-memory-layer `load_balance`, `z_loss`, `mse_aux`, `entropy`,
+  `shared_mass`, `routed_entropy` [n_mem] (`bias_spread` too with aux-free balancing), `load` [n_mem, C]
+  and `chapters` / `weights` [n_mem, B, shared+top_k].
   """
 
   def __init__(self, cfg, rngs):
@@ -156,7 +157,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
-    `positions` restart RoPE per document. Routing pools over the row (`memory.routing`), not per document."""
+    `positions` restart RoPE per document. `sequence` routing pools over the row (MoC-PT); `segment`, `prefix`
+    and `chunk` pool within each document (`memory.routing`)."""
     h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train)
     return self.logits(h), aux
 
@@ -177,7 +179,7 @@ class Transformer(nnx.Module):
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
       mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    h, stats = self._trunk(input_ids, positions, mask, valid)
+    h, stats = self._trunk(input_ids, positions, mask, valid, segment_ids)
     return self.final_norm(h), self._aux(stats)
 
   def forward_cached(self, cache, input_ids, positions, mask, valid, index):
@@ -196,12 +198,13 @@ class Transformer(nnx.Module):
     h = constrain(self.embed(input_ids), "batch", None, None)
     return h, (self.bank.read() if self.bank is not None else None)
 
-  def _trunk(self, input_ids, positions, mask, valid):
+  def _trunk(self, input_ids, positions, mask, valid, segments):
     """Embedding and layers -> (h, router stats stacked over the memory layers, or None)."""
     h, banks = self._embed(input_ids)
     if self.plan.scanned:
-      return self._scan(h, banks, lambda group, h, bank, _: _first(group(h, positions, mask, valid, bank, (0,))))
-    h, stats = self.layers(h, positions, mask, valid, banks, self.bank_ids)
+      return self._scan(h, banks, lambda group, h, bank, _: _first(
+          group(h, positions, mask, valid, segments, bank, (0,))))
+    h, stats = self.layers(h, positions, mask, valid, segments, banks, self.bank_ids)
     return h, (_stack(stats) if stats else None)
 
   def _scan(self, h, banks, run, per_group=None):
@@ -216,6 +219,16 @@ class Transformer(nnx.Module):
       return constrain(h, "batch", None, None), out
 
     return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group))
+
+  def shift_balance_bias(self, step):
+    """Adds `step` [n_mem, C] (routing.balance_bias_step) to the memory layers' aux-free balance biases, in
+    memory-layer order (a scanned group's one memory layer holds every group's bias, [num_groups, C])."""
+    biases = [b.memory.router.balance_bias for b in self.layers.blocks if b.memory is not None]
+    if self.plan.scanned:
+      biases[0].set_value(biases[0][...] + step)
+    else:
+      for bias, s in zip(biases, step):
+        bias.set_value(bias[...] + s)
 
   def _aux(self, stats):
     if stats is None:

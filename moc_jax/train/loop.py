@@ -26,7 +26,7 @@ from moc_jax.errors import TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
 from moc_jax.state import build_state, micro_batch_config
 from moc_jax.train import peaks
-from moc_jax.train.metrics import MetricsWriter
+from moc_jax.train.metrics import MetricsWriter, RouterWindow
 from moc_jax.train.step import jit_train_step
 from moc_jax.train.workdir_lock import workdir_lock
 
@@ -116,6 +116,7 @@ def _train(config, workdir, mesh, make_evaluator):
   if start == 0:  # the untrained baseline anchors the curves
     writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
   window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
+  router = RouterWindow(config)
   last, pending = {}, None
   try:
     for step in range(start + 1, t.steps + 1):
@@ -126,11 +127,12 @@ def _train(config, workdir, mesh, make_evaluator):
       batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in host_batch.items()}
       state, metrics = train_step(state, batch)
       window["steps"] += 1
+      router.add(metrics)
       if pending is not None:  # read the previous step's counter: no host sync on the step just dispatched
         _check_nonfinite(*pending, t.max_nonfinite)
       pending = (step, metrics["nonfinite"])
       if step % t.log_every == 0 or step == t.steps:
-        last = _log_row(writer, step, state, metrics, window, throughput, t)
+        last = _log_row(writer, step, state, metrics, window, throughput, t, router)
       if step % t.eval_every == 0 or step == t.steps:
         writer.write({"step": step, "split": "validation", **evaluator(state["params"])})
         writer.plot()
@@ -213,7 +215,7 @@ class Throughput:
     return out
 
 
-def _log_row(writer, step, state, metrics, window, throughput, t):
+def _log_row(writer, step, state, metrics, window, throughput, t, router):
   metrics = jax.device_get(metrics)
   elapsed = time.time() - window["t0"]
   lrs = optim.current_lrs(t, step - 1 - int(state["skipped"]))
@@ -224,6 +226,6 @@ def _log_row(writer, step, state, metrics, window, throughput, t):
          "malformed_records": window["malformed"]}
   if "router_entropy" in metrics:
     row["router_entropy"] = metrics["router_entropy"]
-  writer.write(row)
+  writer.write({**row, **router.row(step, metrics)})
   window.update(t0=time.time(), wait=0.0, steps=0, malformed=0)
   return row

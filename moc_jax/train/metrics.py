@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
 
 import numpy as np
+
+from moc_jax.config import memory_layers
+from moc_jax.router_health import STEP_STATS, collapse, load_stats
+
+log = logging.getLogger("moc_jax")
 
 
 def use_progress_bar(mode: str) -> bool:
@@ -69,7 +75,9 @@ class MetricsWriter:
     train = [r for r in self.rows if "split" not in r]
     val = [r for r in self.rows if r.get("split") == "validation"]
     recall = [r for r in val if "probe_acc" in r]
-    fig, axes = plt.subplots(1, 2 if recall else 1, figsize=(11 if recall else 6, 4), squeeze=False)
+    health = sorted(k[len("router_used_frac_"):] for k in (train[-1] if train else {}) if k.startswith("router_used_frac_"))
+    panels = 1 + bool(recall) + bool(health)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     ax = axes[0, 0]
     ax.plot([r["step"] for r in train], [r["ce"] for r in train], label="train CE", alpha=0.7)
     ax.plot([r["step"] for r in val], [r["ce"] for r in val], "o-", label="validation CE")
@@ -80,6 +88,8 @@ class MetricsWriter:
       ax.plot([r["step"] for r in recall], [r["probe_exact"] for r in recall], "s-", label="greedy exact match")
       ax.axhline(recall[-1]["probe_chance"], ls="--", c="gray", label="chance")
       ax.set_xlabel("step"), ax.set_ylabel("accuracy"), ax.set_ylim(0, 1), ax.legend(), ax.grid(alpha=0.3)
+    if health:
+      _plot_router_health(axes[0, -1], [r for r in train if f"router_used_frac_{health[0]}" in r], health)
     fig.tight_layout()
     fig.savefig(self.png, dpi=100)
     plt.close(fig)
@@ -88,6 +98,51 @@ class MetricsWriter:
     self.tb.close()
     if self.bar:
       self.bar.close()
+
+
+def _plot_router_health(ax, rows, layers):
+  """Per memory layer: the share of routable chapters read in each log window, and the router probability
+  on the shared chapters (both near 1 and near 0 respectively when the bank is used)."""
+  steps = [r["step"] for r in rows]
+  for layer in layers:
+    line, = ax.plot(steps, [r[f"router_used_frac_{layer}"] for r in rows], label=f"chapters read, {layer}")
+    ax.plot(steps, [r[f"router_shared_mass_{layer}"] for r in rows], "--", c=line.get_color(),
+            label=f"shared-chapter mass, {layer}")
+  ax.set_xlabel("step"), ax.set_ylabel("fraction"), ax.set_ylim(0, 1.02), ax.set_title("router health")
+  ax.legend(fontsize=7), ax.grid(alpha=0.3)
+
+
+class RouterWindow:
+  """Router health per memory layer for the training log: routed selections summed on the device over the log
+  window (no host sync per step), turned at each log row into `router_used_frac_L<layer>` and
+  `router_max_load_L<layer>`, next to the logged step's `router_shared_mass_L<layer>`,
+  `router_routed_entropy_L<layer>` (and `router_bias_spread_L<layer>` with aux-free balancing). The first
+  time a layer looks collapsed (router_health.collapse) the log says so, once."""
+
+  def __init__(self, config):
+    self.layers, self.num_shared = memory_layers(config), config.memory.num_shared
+    self.load, self.warned = None, set()
+
+  def add(self, metrics) -> None:
+    if "router_load" in metrics:
+      self.load = metrics["router_load"] if self.load is None else self.load + metrics["router_load"]
+
+  def row(self, step, metrics) -> dict:
+    """The window's health columns (metrics: the logged step's, on the host); starts the next window."""
+    if self.load is None:
+      return {}
+    load, self.load = np.asarray(self.load), None
+    out = {}
+    for i, layer in enumerate(self.layers):
+      stats = {**load_stats(load[i], self.num_shared),
+               **{k: float(metrics[f"router_{k}"][i]) for k in STEP_STATS if f"router_{k}" in metrics}}
+      out.update({f"router_{k}_L{layer}": v for k, v in stats.items()})
+      reason = collapse(stats)
+      if reason and layer not in self.warned:
+        self.warned.add(layer)
+        log.warning("moc_jax: step %d: the router of memory layer %d looks collapsed (%s over the last log "
+                    "window); see memory.load_balance in the README's routing section", step, layer, reason)
+    return out
 
 
 def _read_rows(path, keep_through):

@@ -3,6 +3,11 @@
 One `jax.jit` over the split NNX state with explicit shardings and the state donated. Gradient
 accumulation is a scan over micro-batches whose loss is the mean of micro-batch token means (MoC-PT).
 A non-finite loss or gradient norm skips the update (state unchanged) and is counted.
+
+Router balancing under accumulation: a load-balance loss term is a function of one micro-batch's decisions
+(every device's rows: the step sees the global micro-batch), as MoC-PT computes it; its gradient is
+accumulated like the CE's. The aux-free bias moves once per update, on the routed selections summed over
+every micro-batch of the update, so the balance it targets is the update's, whatever grad_accum is.
 """
 from __future__ import annotations
 
@@ -12,13 +17,25 @@ import optax
 from flax import nnx
 
 from moc_jax.losses import lm_loss
+from moc_jax.model.routing import balance_bias_step
+from moc_jax.router_health import STEP_STATS
 
 def _freeze_bank(params):
   return nnx.map_state(lambda path, v: jax.lax.stop_gradient(v) if "bank" in map(str, path) else v, params)
 
 
+def _move_balance_bias(graphdef, params, load, mem):
+  """Aux-free balancing after an update: every bias moves by rate * sign(mean load - load), the loads being
+  the routed selections of the whole update (all micro-batches; all devices, as the step sees the global
+  batch)."""
+  model = nnx.merge(graphdef, params)
+  model.shift_balance_bias(balance_bias_step(load, mem.num_shared, mem.aux_free_rate))
+  return nnx.state(model, nnx.Param)
+
+
 def make_train_step(graphdef, tx, config):
   accum, freeze = config.train.grad_accum, config.train.freeze_bank
+  mem = config.memory
 
   def loss_fn(params, batch):
     if freeze:
@@ -27,6 +44,8 @@ def make_train_step(graphdef, tx, config):
     stats = {"ce": ce, "aux": aux["router_loss"]}
     if "entropy" in aux:
       stats["router_entropy"] = jnp.mean(aux["entropy"])
+      stats["router_load"] = aux["load"] * accum  # summed over the update's micro-batches below
+      stats.update({f"router_{k}": aux[k] for k in STEP_STATS if k in aux})
     return loss, stats
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -46,6 +65,8 @@ def make_train_step(graphdef, tx, config):
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+    if mem.enabled and mem.load_balance == "aux_free" and "router_load" in stats:
+      new["params"] = _move_balance_bias(graphdef, new["params"], stats["router_load"], mem)
     old = {"params": params, "opt_state": state["opt_state"]}
     new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     nonfinite = jnp.where(ok, 0, state["nonfinite"] + 1)

@@ -157,6 +157,7 @@ def test_usage_statistics_by_hand():
   assert a["usage_entropy"] == pytest.approx(math.log(2)) and a["effective_chapters"] == pytest.approx(2)
   assert b["usage_entropy"] == pytest.approx(math.log(4)) == pytest.approx(b["usage_entropy_max"])
   assert a["top_chapters"] == [[1, 4], [2, 4]]
+  assert (a["max_load"], b["max_load"]) == (2.0, 1.0)  # most used routable chapter over the routable mean
   assert ra.ablation_mask(("top", 3), usage).tolist() == [[False, True, True, True, False]]
 
 

@@ -141,3 +141,28 @@ def test_collect_iso_flop_fits_each_kind(tmp_path):
   assert rows["dense-mlp768"]["flops_per_token"] == pytest.approx(rows["k64"]["flops_per_token"], rel=1e-3)
   laws = {f["group"]: f["law"] for f in sweep_report.fits(list(rows.values())) if f["fit"] == "compute"}
   assert laws["moc"].n == 2 and laws["dense"].n == 3 and laws["dense"].b == pytest.approx(-0.02, abs=1e-9)
+
+
+def test_collect_averages_seeds_with_standard_errors(tmp_path):
+  """The routing sweep's points once per seed: one row per point with the mean and the standard error over
+  seeds (sample std / sqrt(n)) of CE, recall and router health (from the last training row)."""
+  sweep_dir = str(tmp_path / "routing")
+  only = [f"{arm}-seed{s}" for arm in ("dense", "aux_free-segment") for s in (0, 1, 2)]
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "routing", lambda r: 1.0, only=only)
+  for i, name in enumerate(only):  # CE 1.0 + seed/10; router health on the memory runs
+    path = os.path.join(sweep_dir, name, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    rows[-1]["ce"] = 1.0 + (i % 3) / 10
+    rows.insert(-1, {"step": 899, "loss": 1.0, "ce": 1.0, **({"router_used_frac_L1": 0.5 + (i % 3) / 10,
+                                                              "router_used_frac_L3": 0.7 + (i % 3) / 10}
+                                                             if "aux_free" in name else {})})
+    with open(path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  text = sweep_report.collect(sweep_dir, str(tmp_path / "out"))
+  groups = {g["point"]: g for g in csv.DictReader(open(tmp_path / "out" / "seeds.csv"))}
+  assert set(groups) == {"dense", "aux_free-segment"} and groups["dense"]["n"] == "3"
+  se = np.std([1.0, 1.1, 1.2], ddof=1) / math.sqrt(3)
+  assert float(groups["dense"]["val_ce"]) == pytest.approx(1.1) and float(groups["dense"]["val_ce_se"]) == pytest.approx(se)
+  assert float(groups["aux_free-segment"]["router_used_frac"]) == pytest.approx(0.7)  # layers then seeds
+  assert groups["dense"]["router_used_frac"] == ""
+  assert f"| aux_free-segment | moc | 3 | 1.1000 ± {se:.4f} | 0.300 ± 0.000 |" in text

@@ -84,6 +84,8 @@ def test_run_names():
   assert sweeps.run_name({"train.steps": 56, "train.decay_start_step": 40}) == "steps56"
   assert sweeps.run_name({"memory.layer_indices": (1, 3), "train.base_lr": 0.003}) == "layer_indices1_3-base_lr0.003"
   assert sweeps.run_name({}) == "base"
+  assert sweeps.run_name({"memory.load_balance": "aux_free", "memory.routing": "segment",
+                          "memory.load_balance_coef": 0.0, "seed": 2, "data.seed": 2}) == "aux_free-segment-seed2"
   assert sweeps.default_name("configs/moc.py:tiny,runlocal", "topk") == "moc-tiny_runlocal-topk"
 
 

@@ -104,8 +104,8 @@ def test_cached_decoding_of_a_causal_mode_gives_the_full_forward_logits(routing,
 def _pooled_over(first_slot, last_slot):
   """A `routing_input` for prefix-routed models in which position t pools the non-pad layer inputs at
   slots first_slot(t)..last_slot(t): a per-position reference for the decode-only strategies."""
-  def routing_input(h, valid, routing, chunk):
-    assert routing == "prefix"
+  def routing_input(h, valid, routing, chunk, segments=None):
+    assert routing == "prefix" and segments is None
     t = jnp.arange(h.shape[1])
     seen = (t[None, :] >= first_slot(t)[:, None]) & (t[None, :] <= last_slot(t)[:, None])  # [position, slot]
     w = seen[None].astype(jnp.float32) * valid.astype(jnp.float32)[:, None, :]
