@@ -1,7 +1,8 @@
 """Mixture-of-Chapters models: `--config=configs/moc.py:NAME[,runlocal]`.
 
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
-Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing) run through launch/sweep.py.
+Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing, bank_seeds,
+budget) run through launch/sweep.py.
 """
 from moc_jax.config import schema
 
@@ -137,8 +138,9 @@ ROUTINGS = ("sequence", "segment", "prefix")
 
 
 def _seeds(points):
-  """Every point once per seed (model initialisation and data order)."""
-  return [{**p, "seed": s, "data.seed": s} for p in points for s in SEEDS]
+  """Every point once per seed (model initialisation and data order), seed by seed: a sweep cut short has
+  every point at the first seeds."""
+  return [{**p, "seed": s, "data.seed": s} for s in SEEDS for p in points]
 
 
 def _routing(c):
@@ -152,8 +154,24 @@ def _routing(c):
   return _seeds(arms)
 
 
+def _bank_seeds(c):
+  """The `bank` sweep (fixed read) once per seed: does a bigger bank pay under the config's router?"""
+  return _seeds(_bank(c))
+
+
+def _budget(c):
+  """MoC and its iso-FLOP vanilla at 1/2, 1 and 2 times the config's steps, once per seed."""
+  points = []
+  for factor in (0.5, 1, 2):
+    steps = {"train.steps": max(1, int(c.train.steps * factor))}
+    if c.train.decay_start_step is not None:
+      steps["train.decay_start_step"] = int(c.train.decay_start_step * factor)
+    points += [steps, {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k), **steps}]
+  return _seeds(points)
+
+
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
-          "routing": _routing}
+          "routing": _routing, "bank_seeds": _bank_seeds, "budget": _budget}
 
 
 def get_sweep(name, config):

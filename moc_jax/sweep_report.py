@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 import re
@@ -20,8 +21,12 @@ from moc_jax import sweeps
 CONFIDENCE = 0.95
 COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
            "params_total", "params_active", "val_ce", "fact_recall", "exact_match", "router_used_frac",
-           "router_shared_mass", "wall_s", "note")
-SEED_METRICS = ("val_ce", "fact_recall", "exact_match", "router_used_frac", "router_shared_mass")
+           "router_shared_mass", "eval_used_frac", "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard",
+           "wall_s", "note")
+SEED_METRICS = ("val_ce", "fact_recall", "exact_match", "router_used_frac", "router_shared_mass", "eval_used_frac",
+                "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard")
+SEED_HEADERS = ("val CE", "fact recall", "exact match", "chapters read (train window)", "shared-chapter mass",
+                "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase", "Jaccard other entity")
 # (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
 FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
         ("bank", "bank_tokens", sweeps.BANK_KEYS, "bank tokens"),
@@ -96,7 +101,7 @@ def _row(sweep_dir, entry):
     reached = max((r["step"] for r in sweeps.read_metrics(workdir) if "split" not in r), default=0)
     return unfinished(f"reached step {reached} of {steps}")
   return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
-          "exact_match": final.get("probe_exact"), **_router_health(workdir)}
+          "exact_match": final.get("probe_exact"), **_router_health(workdir), **_eval_routing(workdir)}
 
 
 def _router_health(workdir) -> dict:
@@ -106,6 +111,26 @@ def _router_health(workdir) -> dict:
   out = {}
   for key in ("router_used_frac", "router_shared_mass"):
     values = [v for k, v in (train[-1] if train else {}).items() if k.startswith(key + "_L")]
+    if values:
+      out[key] = float(np.mean(values))
+  return out
+
+
+def _eval_routing(workdir) -> dict:
+  """From WORKDIR/eval.json, when `python -m moc_jax.eval --workdir=WORKDIR` wrote one: routing over the
+  evaluation split averaged over memory layers (chapters ever read, max/mean load) and the stability of fact
+  prompts' chapters (Jaccard overlap with a paraphrase and with another entity)."""
+  path = os.path.join(workdir, "eval.json")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    routing = json.load(f).get("routing") or {}
+  layers, stability = routing.get("layers", []), routing.get("stability", [])
+  out = {}
+  for key, rows, field in (("eval_used_frac", layers, "chapters_selected_frac"), ("eval_max_load", layers, "max_load"),
+                           ("paraphrase_jaccard", stability, "paraphrase_jaccard"),
+                           ("other_entity_jaccard", stability, "other_entity_jaccard")):
+    values = [r[field] for r in rows if field in r]
     if values:
       out[key] = float(np.mean(values))
   return out
@@ -167,7 +192,8 @@ def _cell(key, value):
     return f"{value:,.0f}"
   if key == "val_ce":
     return f"{value:.4f}"
-  if key in ("fact_recall", "exact_match", "router_used_frac", "router_shared_mass"):
+  if key in ("fact_recall", "exact_match", "router_used_frac", "router_shared_mass", "eval_used_frac", "eval_max_load",
+             "paraphrase_jaccard", "other_entity_jaccard"):
     return f"{value:.3f}"
   if key == "wall_s":
     return f"{value:.0f}"
@@ -184,7 +210,8 @@ def _mean_se(group, key):
 def markdown(title, rows, fit_list, plots) -> str:
   header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
             "params total", "params active", "val CE", "fact recall", "exact match", "chapters read",
-            "shared-chapter mass", "wall s")
+            "shared-chapter mass", "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase",
+            "Jaccard other entity", "wall s")
   lines = [f"# {title}", "", f"{len(rows)} runs, {sum(r['status'] == 'done' for r in rows)} finished. Validation CE "
            "(nats/token) and fact recall (likelihood choice; exact match: greedy) at the last step; training FLOPs "
            "= the estimator's model FLOPs per token (forward + backward, memory as read) x tokens; active "
@@ -194,8 +221,7 @@ def markdown(title, rows, fit_list, plots) -> str:
   groups = seed_groups(rows)
   if groups:
     lines += ["", "## Across seeds (mean ± standard error over seeds)", "",
-              "| point | kind | seeds | val CE | fact recall | exact match | chapters read | shared-chapter mass |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| point | kind | seeds | " + " | ".join(SEED_HEADERS) + " |", "|---|---|---:|" + "---:|" * len(SEED_HEADERS)]
     lines += [f"| {g['point']} | {g['kind']} | {g['n']} | "
               + " | ".join(_mean_se(g, k) for k in SEED_METRICS) + " |" for g in groups]
   lines += ["", f"## Fits: loss = a·x^b (least squares in log-log; {CONFIDENCE:.0%} interval of b from Student's t)",
