@@ -230,10 +230,9 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   the workdir serves evaluation and `--config.train.init_from`, not resumption. Returns the step's path."""
   import jax
   import jax.numpy as jnp
-  import orbax.checkpoint as ocp
 
   import moc_jax
-  from moc_jax.checkpoint import ITEMS
+  from moc_jax.checkpoint import write_weights
 
   directory = os.path.join(os.path.abspath(out), "checkpoints")
   if os.path.isdir(directory) and os.listdir(directory):
@@ -245,11 +244,7 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(create=True))
-  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
-  manager.wait_until_finished()
-  manager.close()
-  return os.path.join(directory, str(step))
+  return write_weights(directory, step, params)
 
 
 _FLAGS = cli.command_flags(__doc__)
