@@ -29,7 +29,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from etils import epath
 from jax.experimental import multihost_utils
 
 from moc_jax import sharding
