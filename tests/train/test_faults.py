@@ -171,6 +171,22 @@ def test_a_corrupt_checkpoint_is_set_aside_and_the_run_resumes_from_the_step_bef
   assert "Traceback" not in capfd.readouterr().err
 
 
+def test_when_no_step_restores_the_run_is_refused_and_its_metrics_kept(data_dir, finished, tmp_path):
+  """Every step corrupt: each is set aside, and the run stops with a CheckpointError instead of starting again
+  from step 0 in the same workdir (which would drop metrics.jsonl's rows); so does the next attempt."""
+  workdir = tmp_path / "run"
+  shutil.copytree(finished, workdir)
+  for step in (2, 4, 6):
+    _truncate(str(workdir / "checkpoints" / str(step)))
+  metrics = (workdir / "metrics.jsonl").read_bytes()
+  config = moc_jax.load_config("configs/vanilla.py:tiny", tu.overrides(data_dir, **CORRUPTED))
+  for _ in range(2):
+    with pytest.raises(moc_jax.CheckpointError, match="no checkpoint under .* restores .*2.corrupt, 4.corrupt, 6.corrupt"):
+      main_lib.train(config, str(workdir))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2.corrupt", "4.corrupt", "6.corrupt"]
+  assert (workdir / "metrics.jsonl").read_bytes() == metrics
+
+
 def test_a_refused_resume_leaves_the_workdir_as_it_was(data_dir, tmp_path):
   """Resuming with a model the checkpoint does not fit is refused as a config mismatch (not corruption), and
   every file is as it was: config.json (what `moc_jax.eval` reads the run with) still describes the run that
