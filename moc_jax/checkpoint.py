@@ -303,7 +303,7 @@ def restore_params(directory: str, abstract_params, step: int | None = None, pad
   only: nothing is created, renamed or deleted."""
   directory = checkpoint_dir(directory)
   steps = saved_steps(directory)
-  if not steps:
+  if step is None and not steps:
     raise CheckpointError(f"no checkpoint found under {directory}; point at a workdir of a run that saved one")
   step = steps[-1] if step is None else step
   step_dir = _step_dir(directory, step)
