@@ -7,7 +7,9 @@ the authors' PyTorch code, with their `model:`, `memory:` and `training:` sectio
 Examples: configs/mocpt_examples/base_small_run2.yaml (the paper model), base_small.yaml.
 `PATH,import` (what `python -m moc_jax.convert.mocpt` reads a checkpoint's config.yaml with): a run
 length given as `training.num_epochs` is kept as `max_steps` with a warning instead of refused, since
-an imported checkpoint is evaluated, not trained to that length.
+an imported checkpoint is evaluated, not trained to that length; and a file without `training.max_length`
+evaluates at min(model max_seq_len, 2048), with a warning, not at MoC-PT's training default 8192 (which pads
+every evaluation row to 8192 tokens).
 """
 from moc_jax.convert.mocpt_config import config_from_yaml
 

@@ -24,6 +24,11 @@ class CheckpointError(MocJaxError, RuntimeError):
   """A checkpoint is missing, incomplete or does not match the config; nothing was overwritten."""
 
 
+class CorruptCheckpointError(CheckpointError):
+  """A saved step cannot be read back as it was written (unreadable, truncated, items missing, or arrays whose
+  checksums differ): the step is damaged, not the config; training sets it aside and resumes from an older one."""
+
+
 class TrainingError(MocJaxError, RuntimeError):
   """The run cannot continue (e.g. too many consecutive non-finite updates); nothing bad was saved."""
 

@@ -6,7 +6,6 @@ written by one restores in every other, on any mesh.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax
@@ -15,7 +14,7 @@ from flax import nnx
 
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import optim, sharding
-from moc_jax.errors import CheckpointError
+from moc_jax.errors import CorruptCheckpointError
 from moc_jax.model import Transformer
 from moc_jax.model.build import abstract_model
 
@@ -75,11 +74,22 @@ def build_state(config, mesh) -> StateLayout:
 
 def restore_params(workdir, layout, step=None):
   """(params, step): parameters only, restored onto `layout`'s abstract sharded params (this mesh), from the
-  newest checkpoint or `step`."""
+  newest checkpoint or `step`. A corrupt step is named with the steps that do restore; nothing is renamed here
+  (evaluation and generation only read a run, which may be training at the same time: setting a step aside is
+  the training run's job, under its workdir lock)."""
   directory = ckpt_lib.checkpoint_dir(workdir)
-  if step is not None:
-    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-    if step not in steps:
-      raise CheckpointError(f"no checkpoint of step {step} under {directory}; saved steps: {steps} "
-                            "(omit --step for the newest)")
-  return ckpt_lib.restore_params(workdir, layout.abstract["params"], step=step, padding=layout.padding)
+  try:
+    return ckpt_lib.restore_params(workdir, layout.abstract["params"], step=step, padding=layout.padding)
+  except CorruptCheckpointError as e:
+    bad = step if step is not None else ckpt_lib.saved_steps(directory)[-1]
+    good = [s for s in ckpt_lib.saved_steps(directory) if s != bad and _params_restore(workdir, layout, s)]
+    fix = f"pass --step={good[-1]}" if good else "no other step restores"
+    raise CorruptCheckpointError(f"{e}; step {bad} is corrupt, steps that restore: {good} ({fix})") from None
+
+
+def _params_restore(workdir, layout, step) -> bool:
+  try:
+    ckpt_lib.restore_params(workdir, layout.abstract["params"], step=step, padding=layout.padding)
+  except CorruptCheckpointError:
+    return False
+  return True

@@ -7,7 +7,6 @@ mesh, filled with seeded random data: every leaf differs from its initial value,
 to an initialisation could not pass.
 """
 import contextlib
-import gc
 import os
 import re
 import shutil
@@ -23,7 +22,7 @@ from moc_jax import checkpoint as ckpt_lib
 from moc_jax import sharding
 from moc_jax import state as state_lib
 from moc_jax.data import make_train_iterator
-from moc_jax.errors import CheckpointError
+from moc_jax.errors import CheckpointError, CorruptCheckpointError
 from tests.asserts import assert_same_bytes
 from tests.train import train_utils as tu
 
@@ -94,13 +93,6 @@ def save(directory, state, *steps, data_iter=None, **kwargs):
 
 def train_iterator(config):
   return make_train_iterator(state_lib.micro_batch_config(config))
-
-
-def refusal(fn, *args):
-  """The message of the CheckpointError `fn(*args)` raises (only the text: no traceback is kept alive)."""
-  with pytest.raises(CheckpointError) as info:
-    fn(*args)
-  return str(info.value)
 
 
 # --- checkpoint_dir --------------------------------------------------------------------------------------
@@ -231,18 +223,16 @@ def test_restore_params_without_a_checkpoint_names_the_directory(run, tmp_path, 
     ("configs/moc.py:tiny", {"memory.num_chapters": 33, "memory.num_tokens": 33 * 16}),  # the bank's shape
     ("configs/vanilla.py:tiny", {}),                                 # no bank: another tree
 ])
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning",
-                            "ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_restore_params_onto_another_model_config_raises(run, data_dir, saved_workdir, spec, overrides):
-  """Shapes or a tree that differ from the saved params give a CheckpointError naming the directory and
-  step. (Orbax abandons the reads of a refused restore; only the message is kept, so they can be collected
-  here and their warnings stay with this test.)"""
+  """Shapes or a tree that differ from the saved params give a CheckpointError (not a corrupt one) naming the
+  step and the first arrays that differ, found from the step's manifest before any array is read."""
   other = tiny_config(data_dir, spec, **overrides)
   abstract = state_lib.build_state(other, run.mesh).abstract["params"]
-  pattern = f"params in {re.escape(str(saved_workdir / 'checkpoints'))} step 3 do not match this model config"
-  message = refusal(ckpt_lib.restore_params, str(saved_workdir), abstract)
-  gc.collect()
-  assert re.search(pattern, message), message
+  with pytest.raises(CheckpointError) as info:
+    ckpt_lib.restore_params(str(saved_workdir), abstract)
+  assert not isinstance(info.value, CorruptCheckpointError)
+  pattern = f"checkpoint {re.escape(str(saved_workdir / 'checkpoints' / '3'))} does not match this config \\(\\d+ arrays differ: params"
+  assert re.search(pattern, str(info.value)), str(info.value)
 
 
 def test_restore_params_onto_the_same_config_reads_the_saved_params(run, saved_workdir):
@@ -250,3 +240,88 @@ def test_restore_params_onto_the_same_config_reads_the_saved_params(run, saved_w
   params, step = ckpt_lib.restore_params(str(saved_workdir), run.layout.abstract["params"])
   assert step == 3
   assert_same_bytes(params, run.state["params"])
+
+
+def test_restoring_a_step_that_was_never_saved_names_the_saved_steps(run, saved_workdir):
+  with opened(saved_workdir / "checkpoints") as ck:
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 9 under .*; saved steps: \[3\]"):
+      ck.restore(9, run.layout.abstract)
+
+
+def test_restore_params_of_a_missing_directory_creates_nothing(run, tmp_path):
+  with pytest.raises(CheckpointError, match="no checkpoint found"):
+    ckpt_lib.restore_params(str(tmp_path / "nowhere"), run.layout.abstract["params"])
+  assert not (tmp_path / "nowhere").exists()
+
+
+# --- corruption ------------------------------------------------------------------------------------------
+
+def test_the_fingerprint_changes_with_any_one_element(run):
+  """One element of a leaf nudged by one ulp, or two elements swapped, changes that leaf's fingerprint and no
+  other's; the same arrays give the same manifest."""
+  params = run.state["params"]
+  leaves, treedef = jax.tree.flatten(params)
+  nudged, swapped = np.array(leaves[0]), np.array(leaves[0])
+  nudged.flat[5] = np.nextafter(nudged.flat[5], np.inf)
+  swapped.flat[[0, 1]] = swapped.flat[[1, 0]]
+  want = ckpt_lib.manifest({"params": params})["params"]
+  assert ckpt_lib.manifest({"params": params})["params"] == want
+  for changed in (nudged, swapped):
+    got = ckpt_lib.manifest({"params": jax.tree.unflatten(treedef, [changed, *leaves[1:]])})["params"]
+    assert [p for p in want if want[p] != got[p]] == [next(iter(want))]
+
+
+def _damaged_copy(saved_workdir, tmp_path, damage):
+  workdir = tmp_path / "run"
+  shutil.copytree(saved_workdir, workdir)
+  damage(workdir / "checkpoints" / "3")
+  return workdir
+
+
+@pytest.mark.parametrize("damage, error", [
+    (lambda d: shutil.rmtree(d / "opt_state"), "items opt_state were saved but are missing"),
+    (lambda d: (d / "_CHECKPOINT_METADATA").write_text("{"), "step metadata cannot be read"),
+])
+def test_a_step_missing_what_it_saved_is_corrupt(run, saved_workdir, tmp_path, damage, error):
+  """A saved item whose directory is gone, or unreadable step metadata, is corruption (not a weights-only
+  checkpoint, not another config); nothing is renamed by a restore."""
+  workdir = _damaged_copy(saved_workdir, tmp_path, damage)
+  with opened(workdir / "checkpoints") as ck:
+    with pytest.raises(CorruptCheckpointError, match=error):
+      ck.restore(3, run.layout.abstract)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3"]
+
+
+def test_evaluation_names_a_corrupt_step_and_the_steps_that_restore_and_renames_nothing(run, tmp_path):
+  """The newest step's parameters altered on disk (same shapes: it decodes): eval/generate's restore names it
+  and the steps that restore, with the --step to pass; the run's directory is left as it was."""
+  directory = tmp_path / "checkpoints"
+  save(directory, run.state, 1, 2)
+  leaf = max((p for p in (directory / "2" / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  data = bytearray(leaf.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  leaf.write_bytes(bytes(data))
+  with pytest.raises(CorruptCheckpointError, match=r"step 2 is corrupt, steps that restore: \[1\] \(pass --step=1\)"):
+    state_lib.restore_params(str(tmp_path), run.layout)
+  assert sorted(os.listdir(directory)) == ["1", "2"]
+  params, step = state_lib.restore_params(str(tmp_path), run.layout, step=1)
+  assert step == 1
+  assert_same_bytes(params, run.state["params"])
+
+
+def test_set_aside_renames_to_a_name_that_is_no_step(run, tmp_path):
+  """`set_aside` keeps the step's files under `<step>.corrupt` (then `.corrupt.2`), which Orbax lists as no
+  step: the newest step is the one before."""
+  directory = tmp_path / "checkpoints"
+  with opened(directory) as ck:
+    for step in (1, 2):
+      ck.save(step, run.state)
+    ck.wait()
+    assert ck.set_aside(2) == str(directory / "2.corrupt")
+    assert ck.latest_step() == 1 and ck.all_steps() == [1]
+    ck.save(2, run.state)
+    ck.wait()
+    assert ck.set_aside(2) == str(directory / "2.corrupt.2")
+  assert ckpt_lib.set_aside_steps(str(directory)) == ["2.corrupt", "2.corrupt.2"]
+  with opened(directory) as ck:
+    assert ck.latest_step() == 1

@@ -10,6 +10,7 @@ MoC-PT checkpoint into a moc_jax workdir (DIR/config.json, DIR/checkpoints/) tha
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import pickle
@@ -23,6 +24,7 @@ from flax import nnx, traverse_util
 from moc_jax import cli
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.convert.mocpt_config import load_mocpt_config
+from moc_jax.data.tokenizers import get_tokenizer, model_tokenizer
 from moc_jax.errors import ConfigError
 
 
@@ -230,10 +232,9 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   the workdir serves evaluation and `--config.train.init_from`, not resumption. Returns the step's path."""
   import jax
   import jax.numpy as jnp
-  import orbax.checkpoint as ocp
 
   import moc_jax
-  from moc_jax.checkpoint import ITEMS
+  from moc_jax.checkpoint import write_weights
 
   directory = os.path.join(os.path.abspath(out), "checkpoints")
   if os.path.isdir(directory) and os.listdir(directory):
@@ -245,11 +246,7 @@ def import_checkpoint(state_dict, config, out: str, step: int = 0) -> str:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(create=True))
-  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
-  manager.wait_until_finished()
-  manager.close()
-  return os.path.join(directory, str(step))
+  return write_weights(directory, step, params)
 
 
 _FLAGS = cli.command_flags(__doc__)
@@ -259,16 +256,37 @@ flags.DEFINE_string("config", None, "the run's MoC-PT YAML (e.g. its checkpoint'
                     "model/memory", required=True, flag_values=_FLAGS)
 flags.DEFINE_string("out", None, "the workdir to create", required=True, flag_values=_FLAGS)
 flags.DEFINE_integer("step", 0, "checkpoint step number", lower_bound=0, flag_values=_FLAGS)
+flags.DEFINE_string("tokenizer", None, "the tokenizer the MoC-PT model was trained with (hf:<tokenizer.json> | "
+                    "sp:<model.model>), written into config.json for evaluation (default: data.tokenizer's, byte)",
+                    flag_values=_FLAGS)
+
+
+def with_tokenizer(config, spec):
+  """`config` evaluating with tokenizer `spec`, whose ids must fit the imported vocabulary
+  (data.tokenizers.model_tokenizer refuses it otherwise). Without `spec` the config's default (byte) stays, with
+  one warning if its id count differs from the model's: evaluations would feed the model another tokenizer's
+  ids (or ids past its embedding, which they refuse)."""
+  if spec is not None:
+    config.data.tokenizer = spec
+    model_tokenizer(config)
+    return config
+  ids = get_tokenizer(config.data.tokenizer).vocab_size
+  if ids != config.model.vocab_size:
+    logging.getLogger("moc_jax").warning(
+        "MoC-PT model.vocab_size=%d but data.tokenizer=%r has %d ids: pass --tokenizer=hf:<the tokenizer.json the "
+        "model was trained with> (its model.tokenizer_name), or evaluations read another tokenizer's ids",
+        config.model.vocab_size, config.data.tokenizer, ids)
+  return config
 
 
 @cli.exit_on_error
 def main(argv=None) -> int:
   args = cli.parse_command(_FLAGS, argv)
-  config = load_mocpt_config(args.config)
+  config = with_tokenizer(load_mocpt_config(args.config), args.tokenizer)
   path = import_checkpoint(read_state_dict(args.state_dict), config, args.out, args.step)
   spec = f"configs/mocpt.py:{args.config}"
   print(f"wrote {os.path.join(args.out, 'config.json')} and {path}\n"
-        f"evaluate: python -m moc_jax.eval --workdir={args.out}  (or python -m moc_jax.main --config={spec} "
+        f"evaluate: python -m moc_jax.eval --workdir={args.out}  (or python -m moc_jax.main --config={spec},import "
         f"--workdir={args.out} --mode=eval)\n"
         f"train from it: python -m moc_jax.main --config={spec} --workdir=NEW_DIR "
         f"--config.train.init_from={args.out}")

@@ -144,7 +144,8 @@ _Loader.add_implicit_resolver(
 
 
 def _sections(path):
-  """{section: MoC-PT dataclass defaults overlaid with the file's fields}."""
+  """{section: MoC-PT dataclass defaults overlaid with the file's fields}, and under `given` the set of
+  (section, field) the file itself sets."""
   with open(path) as f:
     raw = yaml.load(f, Loader=_Loader) or {}
   unknown = sorted(set(raw) - set(_DEFAULTS))
@@ -157,6 +158,7 @@ def _sections(path):
     if bad:
       raise ConfigError(f"MoC-PT config {path}: unknown {section} fields {bad}")
     out[section] = {**defaults, **given}
+  out["given"] = {(section, field) for section in _DEFAULTS for field in raw.get(section) or {}}
   return out
 
 
@@ -210,10 +212,28 @@ def config_from_yaml(arg: str, for_import: bool = False):
     c.train.keep_checkpoints = t["save_total_limit"]
   c.model.remat = "full" if t["gradient_checkpointing"] else "none"
   # MoC-PT's RoPE cache grows on demand, so max_seq_len never caps the training length.
-  c.model.max_seq_len = max(c.model.max_seq_len, t["max_length"])
-  c.data.seq_len = t["max_length"]
+  length = t["max_length"]
+  if for_import and ("training", "max_length") not in s["given"]:
+    length = _import_length(path, length, c.model.max_seq_len)
+  c.model.max_seq_len = max(c.model.max_seq_len, length)
+  c.data.seq_len = length
   c.data.layout = "pad_truncate"  # MoC-PT never packs: one truncated, right-padded document per row
   return c
+
+
+IMPORT_LENGTH = 2048  # the longest length the published MoC-PT runs trained at (docs/mocpt_semantics.md)
+
+
+def _import_length(path, default, max_seq_len):
+  """The evaluation length of an imported config whose file sets no training.max_length: MoC-PT's default
+  (8192) would pad every evaluation row to it (pad_truncate) and exhaust memory, so the shorter of the model's
+  max_seq_len and IMPORT_LENGTH is used, with one warning naming the field."""
+  length = min(default, max_seq_len, IMPORT_LENGTH)
+  if length != default:
+    logging.getLogger("moc_jax").warning(
+        "MoC-PT config %s sets no training.max_length (default %d): data.seq_len=%d used for the imported run "
+        "(set training.max_length in the file, or --config.data.seq_len=N when evaluating)", path, default, length)
+  return length
 
 
 def load_mocpt_config(path: str):

@@ -22,7 +22,7 @@ from moc_jax import data as data_lib
 from moc_jax import flops, optim, sharding
 from moc_jax.config import routing_statement
 from moc_jax.data.tokenizers import model_tokenizer
-from moc_jax.errors import TrainingError
+from moc_jax.errors import CheckpointError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
 from moc_jax.state import build_state, micro_batch_config
 from moc_jax.train import peaks
@@ -93,10 +93,9 @@ def _train(config, workdir, mesh, make_evaluator):
                                            process_count=jax.process_count())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                        padding=layout.padding)
-  start = checkpointer.latest_step()
-  if start is not None:
-    state = {**checkpointer.restore(start, abstract_state, data_iter),
-             "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), shardings["nonfinite"])}
+  start, restored = _resume(checkpointer, abstract_state, data_iter)
+  if restored is not None:
+    state = {**restored, "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), shardings["nonfinite"])}
     log.warning("moc_jax: resumed %s from step %d", workdir, start)
   else:
     start = 0
@@ -153,6 +152,23 @@ def _train(config, workdir, mesh, make_evaluator):
     checkpointer.close()
     writer.close()
   return last
+
+
+def _resume(checkpointer, abstract_state, data_iter):
+  """(step, restored state) of the newest checkpoint that restores, or (None, None) for a fresh run. A corrupt
+  step is set aside with one warning and the one before it tried. A workdir whose every step was set aside is
+  refused rather than restarted from step 0 (which would drop its metrics.jsonl rows)."""
+  for step in reversed(checkpointer.all_steps()):
+    try:
+      return step, checkpointer.restore(step, abstract_state, data_iter)
+    except CorruptCheckpointError as e:
+      log.warning("moc_jax: %s — set aside as %s; trying the step before it", e, checkpointer.set_aside(step))
+  aside = ckpt_lib.set_aside_steps(checkpointer.directory)
+  if aside:
+    raise CheckpointError(f"no checkpoint under {checkpointer.directory} restores (set aside as corrupt: "
+                          f"{', '.join(aside)}); train in a new --workdir, or move them out of that directory to "
+                          "start this run again from step 0")
+  return None, None
 
 
 def _write_config(config, workdir):

@@ -2,6 +2,7 @@
 restored as `--mode=eval` and `python -m moc_jax.eval` restore them, reproduce MoC-PT's logits on the parity
 fixtures (one device, and the bank sharded over 4); bad inputs fail clearly."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -94,12 +95,12 @@ def imported(tmp_path_factory):
 
 @pytest.mark.parametrize("routing", ["sequence", "token"])
 def test_import_reproduces_mocpt_logits(imported, routing):
-  """config.json is the config `--config=configs/mocpt.py:THEIRS` gives (what `python -m moc_jax.main
+  """config.json is the config `--config=configs/mocpt.py:THEIRS,import` gives (what `python -m moc_jax.main
   --mode=eval` runs under) and `python -m moc_jax.eval --workdir` rebuilds; its restored params give
   MoC-PT's logits."""
   name, config_path, run = imported[routing]
   fx, _ = _fixture(name)
-  theirs = moc_jax.load_config(f"configs/mocpt.py:{config_path}", F32)
+  theirs = moc_jax.load_config(f"configs/mocpt.py:{config_path},import", F32)
   written = json.load(open(os.path.join(run, "config.json")))
   assert written == json.loads(mocpt.load_mocpt_config(config_path).to_json_best_effort())  # as training writes it
   assert written["model"]["compute_dtype"] == "bfloat16"  # MoC-PT's bf16 autocast by default
@@ -188,6 +189,42 @@ def test_unsupported_config_names_the_field(paper, tmp_path, capsys):
   config = _write_config(tmp_path / "rope.yaml", meta, use_rope=False)
   code, out = _import(capsys, "--state_dict", tmp_path / "model.npz", "--config", config, "--out", tmp_path / "run")
   assert code == 2 and "model.use_rope" in out
+
+
+def test_a_config_without_training_length_evaluates_at_a_length_the_model_runs(tmp_path, caplog):
+  """Without training.max_length, an import takes min(model max_seq_len, 2048) — not MoC-PT's training
+  default 8192, which pads every evaluation row to 8192 tokens — with one warning naming the field and the value;
+  a length the file gives is kept, silently; training from the same YAML keeps MoC-PT's default."""
+  _, meta = _fixture("moc_pt_paper_small.npz")
+  bare = _write_config(tmp_path / "bare.yaml", meta, max_seq_len=8192, max_position_embeddings=None)
+  with caplog.at_level(logging.WARNING, logger="moc_jax"):
+    assert mocpt.load_mocpt_config(bare).data.seq_len == 2048
+  assert [r.getMessage() for r in caplog.records if "training.max_length" in r.getMessage()] == [
+      f"MoC-PT config {bare} sets no training.max_length (default 8192): data.seq_len=2048 used for the imported "
+      "run (set training.max_length in the file, or --config.data.seq_len=N when evaluating)"]
+  assert moc_jax.load_config(f"configs/mocpt.py:{bare}").data.seq_len == 8192
+  caplog.clear()
+  given = tmp_path / "given.yaml"
+  given.write_text(open(bare).read() + "training:\n  max_length: 4096\n")
+  with caplog.at_level(logging.WARNING, logger="moc_jax"):
+    assert mocpt.load_mocpt_config(str(given)).data.seq_len == 4096
+  assert "training.max_length" not in caplog.text
+
+
+def test_the_tokenizer_is_checked_against_the_imported_vocabulary(paper, tmp_path, capsys, caplog, hf_path):
+  """--tokenizer with more ids than model.vocab_size (97) is refused in one line, nothing written; without it
+  the byte tokenizer (260 ids) stays in config.json with one warning naming both numbers."""
+  state, _, config = paper
+  np.savez(tmp_path / "model.npz", **state)
+  code, out = _import(capsys, "--state_dict", tmp_path / "model.npz", "--config", config, "--out", tmp_path / "a",
+                      "--tokenizer", f"hf:{hf_path}")
+  assert code == 2 and out.startswith("error: config.data.tokenizer") and "vocab_size is 97" in out, out
+  assert not os.path.exists(tmp_path / "a")
+  with caplog.at_level(logging.WARNING, logger="moc_jax"):
+    code, out = _import(capsys, "--state_dict", tmp_path / "model.npz", "--config", config, "--out", tmp_path / "b")
+  assert code == 0, out
+  assert "MoC-PT model.vocab_size=97 but data.tokenizer='byte' has 260 ids" in caplog.text
+  assert json.load(open(tmp_path / "b" / "config.json"))["data"]["tokenizer"] == "byte"
 
 
 def test_inference_routing_maps_to_cached_decoding(tmp_path):

@@ -109,3 +109,50 @@ def test_hf_tokenizer_records_round_trip(inputs, tmp_path, hf_path):
   rows = [r[m.astype(bool)] for b in batches for r, m in zip(b["input_ids"], b["attention_mask"])]
   assert [tok.decode(r) for r in rows[:3]] == PARQUET_DOCS
   assert all(np.array_equal(r, tok.encode(d)) for r, d in zip(rows, PARQUET_DOCS))
+
+
+def _files(directory):
+  return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("name, content, error", [
+    ("empty.txt", b"", "empty.txt: no valid document"),
+    ("blank.jsonl", b'{"title": 1}\n{broken\n', "blank.jsonl: no valid document"),
+    ("binary.txt", b"MZ\x90\x00\x03\x00\x00\x00\x04\x00\n\nmore", "binary.txt: NUL bytes"),
+    ("binary.jsonl", b'{"text": "ok"}\n\x00\x01\x02\n', "binary.jsonl: NUL bytes")])
+def test_bad_input_leaves_the_prepared_split_as_it_was(inputs, tmp_path, capsys, name, content, error):
+  """A run refused for its input (empty, no valid record, binary) is one error line naming the file, exit 2,
+  and the directory's shards and manifest keep their bytes; no staging directory is left behind."""
+  out = tmp_path / "ar"
+  prepare([str(inputs / "c.parquet")], str(out), "byte")
+  before = _files(out)
+  (tmp_path / name).write_bytes(content)
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--input", str(tmp_path / name), "--output", str(out)])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.startswith(f"error: {tmp_path / name}") and error in err, err
+  assert err.count("\n") == 1
+  assert _files(out) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ar", name])
+
+
+def test_malformed_records_are_named_by_file_and_line(tmp_path, capsys):
+  """The first ten malformed .jsonl records are named by file and line, the rest counted."""
+  lines = [json.dumps({"text": "good"})] + ["{broken"] * 12 + [json.dumps({"text": "also good"})]
+  (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+  main(["--input", str(tmp_path / "m.jsonl"), "--output", str(tmp_path / "ar")])
+  out = capsys.readouterr().out
+  named = [line.strip() for line in out.splitlines() if "malformed:" in line]
+  assert named == [f"malformed: {tmp_path / 'm.jsonl'}:{n}: invalid JSON or no text field 'text'" for n in range(2, 12)]
+  assert "... and 2 more malformed" in out and "12 malformed skipped" in out
+
+
+def test_a_long_document_is_split_into_records_of_max_doc_tokens(tmp_path):
+  """A 25-byte document with --max_doc_tokens 10 becomes records of 10, 10 and 5 tokens that concatenate to it;
+  the short one stays whole."""
+  long_doc = "abcdefghijklmnopqrstuvwxy"
+  (tmp_path / "d.txt").write_text(f"{long_doc}\n\nshort\n")
+  entry = prepare([str(tmp_path / "d.txt")], str(tmp_path / "ar"), "byte", split="validation", max_doc_tokens=10)
+  assert (entry["documents"], entry["records"], entry["split_documents"]) == (2, 4, 1)
+  texts = _texts(list(make_eval_batches(_config(tmp_path / "ar"))))[:4]
+  assert texts == [long_doc[:10], long_doc[10:20], long_doc[20:], "short"]
