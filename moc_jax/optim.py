@@ -142,7 +142,8 @@ def chapters_read(load, bank_ids, num_shared, chapters):
 
 def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
   """The full update rule; `freeze_bank` drops the bank from the optimizer (no Adam state, no update);
-  `bank_optimizer=lazy_adam` needs `tx.update(..., chapter_mask=chapters_read(...))`."""
+  `bank_optimizer=lazy_adam` needs `tx.update(..., chapter_mask=chapters_read(...))`: optax's chain and
+  multi_transform hand extra arguments to every group, and the groups other than lazy_adamw ignore them."""
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
 
