@@ -4,10 +4,15 @@ AdamW(b1, b2, eps) with decoupled weight decay on every parameter, global-norm c
 gradient, and three parameter groups (base / memory layers / bank), each with its own peak LR, all
 following one schedule multiplier λ(s). The n-th update uses λ(n-1), so the first update has lr 0
 for warm-up schedules, exactly as MoC-PT's LambdaLR.
+
+`train.bank_optimizer=lazy_adam` replaces the bank group's AdamW by `lazy_adamw`: AdamW over the chapters
+an update read (given as the `chapter_mask` extra argument of `tx.update`, see `chapters_read`), the other
+chapters' values and moments untouched. Not MoC-PT's semantics; `dense` (the default) is.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,20 +65,97 @@ def group_labels(params):
   return nnx.map_state(lambda path, _: param_groups(path), params)
 
 
-def make_optimizer(t, params) -> optax.GradientTransformation:
-  """The full update rule; `freeze_bank` drops the bank from the optimizer (no Adam state, no update)."""
+class LazyAdamState(NamedTuple):
+  """`lazy_adamw`'s state. `count`: per chapter, the updates that read it, int32 [banks, chapters] for each
+  bank leaf, in a tree shaped like the parameters so that the chapter padding (padding.py: axis 1 under
+  `bank/memory`) and the shardings (logical names ("banks", "chapters")) treat it as they treat the moments.
+  `mu`, `nu`: Adam's moments, like the parameters."""
+  count: optax.Updates
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def _chapter_counts(p):
+  """Zero counts [banks, chapters] for a bank leaf [banks, chapters, ...]; an nnx Variable keeps the first two
+  of its parameter's logical axis names, so the counts shard along the chapters as the bank does."""
+  counts = jnp.zeros(p.shape[:2], jnp.int32)
+  if not isinstance(p, nnx.Variable):
+    return counts
+  names = p.get_metadata().get("out_sharding")
+  return p.replace(counts, out_sharding=None if names is None else tuple(names[:2]))
+
+
+def _lazy_adamw_leaf(g, m, v, count, p, read, b1, b2, eps, weight_decay):
+  """One bank leaf [banks, chapters, ...]: AdamW (the formulas of optax.scale_by_adam and add_decayed_weights)
+  where `read` [banks, chapters] is set, with the chapter's own step count in the bias correction; elsewhere
+  a zero update and m, v, count as they were. -> (update, m, v, count)."""
+  count = count + read.astype(count.dtype)
+  read = read.reshape(read.shape + (1,) * (g.ndim - 2))
+  m = jnp.where(read, (1 - b1) * g + b1 * m, m)
+  v = jnp.where(read, (1 - b2) * (g ** 2) + b2 * v, v)
+  steps = jnp.maximum(count, 1).reshape(read.shape)  # a never-read chapter divides by 1 - b**1, not by 0
+  m_hat = m / (1 - b1 ** steps).astype(m.dtype)
+  v_hat = v / (1 - b2 ** steps).astype(v.dtype)
+  return jnp.where(read, m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p, 0), m, v, count
+
+
+def lazy_adamw(b1, b2, eps, weight_decay) -> optax.GradientTransformationExtraArgs:
+  """AdamW over chapters for the bank group: `update(g, state, params, chapter_mask=...)`, `chapter_mask`
+  bool [banks, chapters] (the padded chapter axis) marking the chapters this update moves.
+
+  A marked chapter takes one AdamW step: its moments absorb its gradient, its bias correction uses its own
+  count of marked updates (a chapter read for the first time at update 500 is corrected as at step 1), and
+  decoupled weight decay applies. An unmarked chapter keeps its value, moments and count bit for bit: its
+  weight decay is skipped, not caught up later, because catching up exactly needs the LR of every skipped
+  update (torch SparseAdam and TF LazyAdam skip it too). The caller's scale (the schedule LR) follows.
+
+  Step 1 of the sparse bank update: the semantics, computed as a masked elementwise update over the whole
+  bank (jnp.where), so it costs what dense AdamW costs. Gathering and scattering only the marked chapters
+  (with a sparse gradient) is the later step; the mask also serves any other choice of chapters to train.
+  """
+  def init_fn(params):
+    counts = jax.tree.map(_chapter_counts, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return LazyAdamState(count=counts, mu=optax.tree.zeros_like(params), nu=optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params, *, chapter_mask):
+    grads, treedef = jax.tree.flatten(updates)
+    counts, counts_def = jax.tree.flatten(state.count)
+    out = [_lazy_adamw_leaf(g, m, v, n, p, chapter_mask, b1, b2, eps, weight_decay) for g, m, v, n, p in
+           zip(grads, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), counts, jax.tree.leaves(params))]
+    new, m, v, n = zip(*out)
+    return treedef.unflatten(new), LazyAdamState(count=counts_def.unflatten(n), mu=treedef.unflatten(m),
+                                                 nu=treedef.unflatten(v))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def chapters_read(load, bank_ids, num_shared, chapters):
+  """The chapter mask of an update, bool [banks, chapters]: the chapters any routing decision selected
+  (`load` [memory layers, C], routed selections per chapter summed over the update's micro-batches; memory
+  layer i reads bank `bank_ids[i]`), every shared chapter (always read), and never the chapters padded for
+  sharding (`chapters` - C of them, at the end)."""
+  banks = max(bank_ids) + 1
+  routed = jax.ops.segment_sum(load, jnp.asarray(bank_ids), num_segments=banks) > 0
+  read = routed | (jnp.arange(load.shape[-1]) < num_shared)
+  return jnp.pad(read, ((0, 0), (0, chapters - load.shape[-1])))
+
+
+def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
+  """The full update rule; `freeze_bank` drops the bank from the optimizer (no Adam state, no update);
+  `bank_optimizer=lazy_adam` needs `tx.update(..., chapter_mask=chapters_read(...))`: optax's chain and
+  multi_transform hand extra arguments to every group, and the groups other than lazy_adamw ignore them."""
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
 
-  def group_tx(lr):
-    return optax.chain(
-        optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
-        optax.add_decayed_weights(t.weight_decay),
-        optax.scale_by_schedule(lambda s: -lr * lam(s)))
+  def group_tx(lr, *direction):
+    return optax.chain(*direction, optax.scale_by_schedule(lambda s: -lr * lam(s)))
 
-  transforms = {g: group_tx(lrs[g]) for g in GROUPS}
+  adamw = (optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps), optax.add_decayed_weights(t.weight_decay))
+  transforms = {g: group_tx(lrs[g], *adamw) for g in GROUPS}
   if t.freeze_bank:
     transforms["bank"] = optax.set_to_zero()
+  elif t.bank_optimizer == "lazy_adam":
+    transforms["bank"] = group_tx(lrs["bank"], lazy_adamw(t.b1, t.b2, t.eps, t.weight_decay))
   labels = group_labels(params)
   if "fixed" in jax.tree.leaves(labels):  # the aux-free balance bias: no gradient step, no weight decay
     transforms["fixed"] = optax.set_to_zero()

@@ -6,7 +6,7 @@ is allocated or anything compiles. Model code reads fields, never re-checks them
 from __future__ import annotations
 
 from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
-from moc_jax.config.schema import (ATTENTION_IMPLS, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
+from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
                                    LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES,
                                    SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
@@ -129,6 +129,7 @@ def _validate_train(c):
   if t.bank_lr is not None and t.bank_lr < 0:
     _fail("train.bank_lr", f"must be >= 0 or None, got {t.bank_lr}", "use 0 for a frozen bank, None for memory_lr")
   _enum(c, "train.schedule", SCHEDULES)
+  _validate_bank_optimizer(c)
   if t.warmup_steps > t.steps:
     _fail("train.warmup_steps", f"{t.warmup_steps} > train.steps {t.steps}", "shorten the warm-up")
   if t.schedule in DECAYING_SCHEDULES and t.decay_start_step is not None and t.decay_start_step > t.steps:
@@ -144,6 +145,19 @@ def _validate_train(c):
   if (t.batch_size * t.grad_accum) % jax.process_count():
     _fail("train.batch_size", f"{t.batch_size}*{t.grad_accum} is not divisible by {jax.process_count()} processes",
           "use a global batch divisible by the process count")
+
+
+def _validate_bank_optimizer(c):
+  """lazy_adam needs a bank that trains: refused with freeze_bank (no bank optimizer at all) and without memory."""
+  _enum(c, "train.bank_optimizer", BANK_OPTIMIZERS)
+  if c.train.bank_optimizer == "dense":
+    return
+  if c.train.freeze_bank:
+    _fail("train.bank_optimizer", "'lazy_adam' with train.freeze_bank=True: a frozen bank has no optimizer",
+          "set train.freeze_bank=False, or leave train.bank_optimizer='dense'")
+  if not c.memory.enabled:
+    _fail("train.bank_optimizer", "'lazy_adam' on a model without memory (memory.enabled=False): there is no bank",
+          "leave train.bank_optimizer='dense'")
 
 
 def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:

@@ -8,6 +8,10 @@ Router balancing under accumulation: a load-balance loss term is a function of o
 (every device's rows: the step sees the global micro-batch), as MoC-PT computes it; its gradient is
 accumulated like the CE's. The aux-free bias moves once per update, on the routed selections summed over
 every micro-batch of the update, so the balance it targets is the update's, whatever grad_accum is.
+
+With `train.bank_optimizer=lazy_adam` the optimizer moves the chapters the update read: those routed
+selections (any decision of any micro-batch, every device's rows) and the shared chapters
+(`optim.chapters_read`), handed to `tx.update` as its `chapter_mask`.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
+from moc_jax.optim import chapters_read
 from moc_jax.model.routing import balance_bias_step
 from moc_jax.router_health import STEP_STATS
 
@@ -31,6 +37,14 @@ def _move_balance_bias(graphdef, params, load, mem):
   model = nnx.merge(graphdef, params)
   model.shift_balance_bias(balance_bias_step(load, mem.num_shared, mem.aux_free_rate))
   return nnx.state(model, nnx.Param)
+
+
+def _optimizer_args(config, params, stats):
+  """Extra arguments of `tx.update`: the chapter mask for lazy_adam, nothing for the dense bank."""
+  if config.train.bank_optimizer == "dense":
+    return {}
+  chapters = params["bank"]["memory"].shape[1]  # padded for sharding: those chapters are never read
+  return {"chapter_mask": chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)}
 
 
 def make_train_step(graphdef, tx, config):
@@ -63,7 +77,7 @@ def make_train_step(graphdef, tx, config):
     loss, stats, grads = jax.tree.map(lambda x: x / accum, (loss, stats, grads))
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    updates, opt_state = tx.update(grads, state["opt_state"], params, **_optimizer_args(config, params, stats))
     new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
     if mem.enabled and mem.load_balance == "aux_free" and "router_load" in stats:
       new["params"] = _move_balance_bias(graphdef, new["params"], stats["router_load"], mem)
