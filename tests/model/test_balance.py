@@ -54,7 +54,7 @@ def test_routed_balance_loss_and_gradient_match_numpy(b, c, s, k):
 def test_routed_balance_is_one_when_uniform_and_ignores_shared_mass():
   """Uniform routable softmax and uniform selections give exactly 1; unlike MoC-PT's term, raising the shared
   logit changes nothing (the shared chapter is not part of the balance)."""
-  c, s, k = 65, 1, 8
+  c, s = 65, 1
   ids = jnp.asarray(np.arange(64).reshape(8, 8) + s)
   for shared_logit in (0.0, 5.0, 20.0):
     z = jnp.zeros((8, c)).at[:, 0].set(shared_logit)
