@@ -136,21 +136,25 @@ def routing_input(h, valid, routing, chunk, segments=None):
   return total / jnp.maximum(count, 1.0)
 
 
+def document_starts(segments):
+  """[B, L] bool: the positions where a document (a contiguous run of equal segment ids) begins."""
+  return jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+
+
 def document_bounds(segments):
-  """(first, last) position [B, L] of each position's document: its contiguous run of equal segment ids."""
+  """(first, last) position [B, L] of each position's document."""
   b, length = segments.shape
   t = jnp.broadcast_to(jnp.arange(length), (b, length))
-  change = segments[:, 1:] != segments[:, :-1]
-  starts = jnp.concatenate([jnp.ones((b, 1), bool), change], axis=1)
-  ends = jnp.concatenate([change, jnp.ones((b, 1), bool)], axis=1)
+  starts = document_starts(segments)
+  ends = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)  # the next position starts one
   return (jax.lax.cummax(jnp.where(starts, t, 0), axis=1),
           jax.lax.cummin(jnp.where(ends, t, length - 1), axis=1, reverse=True))
 
 
 def document_cumsum(x, segments):
-  """Running sums of x [B, L, ...] along the row that restart at every document start (segment id change):
-  no sum carries a value across a document boundary, not even as rounding."""
-  starts = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+  """Running sums of x [B, L, ...] along the row that restart at every document start: no sum carries a value
+  across a document boundary, not even as rounding."""
+  starts = document_starts(segments)
   starts = starts.reshape(starts.shape + (1,) * (x.ndim - 2))
 
   def combine(a, b):
