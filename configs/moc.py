@@ -170,8 +170,33 @@ def _budget(c):
   return _seeds(points)
 
 
+# Retention (docs/retention.md, `python -m moc_jax.retention`): pre-train on facts A, finetune on new facts B.
+RETENTION_FACTS = {"data.facts.num_entities": 32, "data.facts.zipf_a": 0.5}  # facts A; B: the same sizes, seed 1
+RETENTION_MOC = {"memory.load_balance": "routed", "memory.routing": "segment"}  # the best router of docs/routing.md
+
+
+def _retention_pretrain(c):
+  """Phase 1: MoC and its iso-FLOP vanilla on facts A, 3 seeds."""
+  return _seeds([{**RETENTION_FACTS, **RETENTION_MOC},
+                 {**RETENTION_FACTS, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
+
+
+def _retention_finetune(c):
+  """Phase 2, from phase 1's weights (the harness adds train.init_from): facts B (new entities), every arm.
+  The vanilla and MoC with the bank at the memory LR, 0.1x, 0 and dropped from the optimizer all train every
+  other parameter; sparse memory finetuning trains only the top-t chapters (backbone and memory layers at LR 0)."""
+  facts_b = {**RETENTION_FACTS, "data.facts.seed": 1}
+  lr = c.train.memory_lr
+  moc = {**facts_b, **RETENTION_MOC}
+  return _seeds([{**facts_b, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}, moc,
+                 {**moc, "train.bank_lr": 0.1 * lr}, {**moc, "train.bank_lr": 0.0}, {**moc, "train.freeze_bank": True},
+                 {**moc, "train.bank_optimizer": "smf", "train.base_lr": 0.0, "train.memory_lr": 0.0,
+                  "train.bank_lr": lr}])
+
+
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
-          "routing": _routing, "bank_seeds": _bank_seeds, "budget": _budget}
+          "routing": _routing, "bank_seeds": _bank_seeds, "budget": _budget,
+          "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
 
 
 def get_sweep(name, config):

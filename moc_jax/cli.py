@@ -139,6 +139,30 @@ def override_values():
   return config_flags.get_override_values(flags.FLAGS["config"])
 
 
+def begin(argv, datasets=True):
+  """What a command does first: refuse stray positional arguments, quiet the libraries (and TFDS's bars)."""
+  from moc_jax.errors import UsageError
+  if len(argv) > 1:
+    raise UsageError(f"unexpected arguments {argv[1:]}")
+  quiet_libraries()
+  if datasets:
+    quiet_datasets()
+
+
+def run_config(workdir, overrides, what="a training run"):
+  """The saved config of the run in `workdir` (`--workdir`) with `overrides`, on this machine's devices (fake
+  ones if it says so), validated and locked."""
+  from moc_jax.config import load_run_config, validate
+  from moc_jax.errors import ConfigError
+  if not workdir:
+    raise ConfigError(f"--workdir=DIR is required: the directory of {what} (config.json, checkpoints/)")
+  config = load_run_config(workdir, overrides)
+  use_fake_devices(config.num_fake_devices)
+  validate(config)
+  config.lock()
+  return config
+
+
 def quiet_libraries():
   """Library INFO chatter (absl, orbax, tfds progress bars) off the console; moc_jax's own log at INFO."""
   from absl import logging as absl_logging

@@ -172,9 +172,7 @@ def _define_flags():
 
 
 def _main(argv):
-  if len(argv) > 1:
-    raise UsageError(f"unexpected arguments {argv[1:]}")
-  cli.quiet_libraries()
+  cli.begin(argv, datasets=False)
   f = flags.FLAGS
   if not f.workdir:
     raise UsageError("--workdir=DIR is required: the directory of a training run (config.json, checkpoints/)")

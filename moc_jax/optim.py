@@ -7,7 +7,9 @@ for warm-up schedules, exactly as MoC-PT's LambdaLR.
 
 `train.bank_optimizer=lazy_adam` replaces the bank group's AdamW by `lazy_adamw`: AdamW over the chapters
 an update read (given as the `chapter_mask` extra argument of `tx.update`, see `chapters_read`), the other
-chapters' values and moments untouched. Not MoC-PT's semantics; `dense` (the default) is.
+chapters' values and moments untouched. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
+update over another set of chapters: per bank the `train.smf_top_t` chapters the update read most against a
+background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is.
 """
 from __future__ import annotations
 
@@ -140,9 +142,23 @@ def chapters_read(load, bank_ids, num_shared, chapters):
   return jnp.pad(read, ((0, 0), (0, chapters - load.shape[-1])))
 
 
+def smf_chapters(read, bank_ids, idf, top_t, chapters):
+  """Sparse memory finetuning's chapter mask, bool [banks, chapters]: per bank the `top_t` chapters of highest
+  TF-IDF score tf·idf, where tf [memory layers, C] is how much the update read each chapter (chapter weights
+  summed over its decisions and micro-batches; `model.routing.read_weight`), summed over the layers reading the
+  bank, and idf [banks, C] (`bank_background.idf`) is high for chapters pre-training rarely read. Ties (e.g.
+  unread chapters at score 0 when fewer than top_t were read) go to the lower chapter id; the chapters padded
+  for sharding (`chapters` - C, at the end) are never chosen."""
+  banks, c = idf.shape
+  tf = jax.ops.segment_sum(read, jnp.asarray(bank_ids), num_segments=banks)
+  score = jnp.pad(tf * idf, ((0, 0), (0, chapters - c)), constant_values=-jnp.inf)
+  _, top = jax.lax.top_k(score, top_t)
+  return jnp.zeros((banks, chapters), bool).at[jnp.arange(banks)[:, None], top].set(True)
+
+
 def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
   """The full update rule; `freeze_bank` drops the bank from the optimizer (no Adam state, no update);
-  `bank_optimizer=lazy_adam` needs `tx.update(..., chapter_mask=chapters_read(...))`: optax's chain and
+  `bank_optimizer=lazy_adam` / `smf` needs `tx.update(..., chapter_mask=chapters_read(...) / smf_chapters(...))`: optax's chain and
   multi_transform hand extra arguments to every group, and the groups other than lazy_adamw ignore them."""
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
@@ -154,7 +170,7 @@ def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
   transforms = {g: group_tx(lrs[g], *adamw) for g in GROUPS}
   if t.freeze_bank:
     transforms["bank"] = optax.set_to_zero()
-  elif t.bank_optimizer == "lazy_adam":
+  elif t.bank_optimizer in ("lazy_adam", "smf"):
     transforms["bank"] = group_tx(lrs["bank"], lazy_adamw(t.b1, t.b2, t.eps, t.weight_decay))
   labels = group_labels(params)
   if "fixed" in jax.tree.leaves(labels):  # the aux-free balance bias: no gradient step, no weight decay

@@ -28,7 +28,7 @@ ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
 SCHEDULES = ("wsd", "cosine", "linear", "constant")
-BANK_OPTIMIZERS = ("dense", "lazy_adam")
+BANK_OPTIMIZERS = ("dense", "lazy_adam", "smf")
 DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the decay start, decay
 LAYOUTS = ("pack", "pad_truncate")
 PACK_BOUNDARIES = ("segment", "eos")
@@ -117,8 +117,11 @@ def base_config():
   t.memory_lr = 6e-4             # routers, memory attention and norms
   t.bank_lr = config_dict.placeholder(float)  # None -> memory_lr; 0 -> MoC-PT's "frozen bank"
   t.freeze_bank = False          # drop the bank from the optimizer (no Adam state, no bank gradient)
-  # dense: AdamW over every chapter (MoC-PT) | lazy_adam: AdamW over the chapters the update read (optim.py)
+  # dense: AdamW over every chapter (MoC-PT) | lazy_adam: AdamW over the chapters the update read | smf: sparse
+  # memory finetuning, lazy AdamW over the smf_top_t chapters the update reads most against a background (optim.py)
   t.bank_optimizer = "dense"
+  t.smf_top_t = 8                # smf: chapters per bank each update moves
+  t.smf_background = config_dict.placeholder(str)  # smf: background counts; None -> <init_from>/bank_background.json
   t.weight_decay = 0.1
   t.b1, t.b2, t.eps = 0.9, 0.95, 1e-8
   t.clip_norm = 1.0              # 0 disables clipping

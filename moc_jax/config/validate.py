@@ -148,16 +148,27 @@ def _validate_train(c):
 
 
 def _validate_bank_optimizer(c):
-  """lazy_adam needs a bank that trains: refused with freeze_bank (no bank optimizer at all) and without memory."""
+  """lazy_adam and smf need a bank that trains: refused with freeze_bank (no bank optimizer at all) and without
+  memory; smf needs a top-t within the bank and background counts to rank against."""
+  t = c.train
   _enum(c, "train.bank_optimizer", BANK_OPTIMIZERS)
-  if c.train.bank_optimizer == "dense":
+  if t.bank_optimizer == "dense":
     return
-  if c.train.freeze_bank:
-    _fail("train.bank_optimizer", "'lazy_adam' with train.freeze_bank=True: a frozen bank has no optimizer",
+  if t.freeze_bank:
+    _fail("train.bank_optimizer", f"{t.bank_optimizer!r} with train.freeze_bank=True: a frozen bank has no optimizer",
           "set train.freeze_bank=False, or leave train.bank_optimizer='dense'")
   if not c.memory.enabled:
-    _fail("train.bank_optimizer", "'lazy_adam' on a model without memory (memory.enabled=False): there is no bank",
-          "leave train.bank_optimizer='dense'")
+    _fail("train.bank_optimizer", f"{t.bank_optimizer!r} on a model without memory (memory.enabled=False): there is "
+          "no bank", "leave train.bank_optimizer='dense'")
+  if t.bank_optimizer != "smf":
+    return
+  if not 1 <= t.smf_top_t <= c.memory.num_chapters:
+    _fail("train.smf_top_t", f"{t.smf_top_t} is outside [1, memory.num_chapters={c.memory.num_chapters}]",
+          "use the number of chapters per bank each update may move")
+  if not t.smf_background and not t.init_from:
+    _fail("train.smf_background", "smf ranks chapters against background counts, and neither train.smf_background "
+          "nor train.init_from names them", "run `python -m moc_jax.eval.background --workdir=<pre-training run>` "
+          "and pass --config.train.init_from=<that run> (or --config.train.smf_background=<its json>)")
 
 
 def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:

@@ -14,7 +14,7 @@ from absl import flags
 
 from moc_jax import cli
 from moc_jax.config import base_config
-from moc_jax.errors import ConfigError, DataError, UsageError
+from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval.probes import DOC_BUCKET_EDGES
 
 cli.define_overrides_flag(base_config(), "Overrides of the run's saved config, e.g. --config.data.data_dir=DIR or "
@@ -65,19 +65,10 @@ def _options():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise UsageError(f"unexpected arguments {argv[1:]}")
-  cli.quiet_libraries()
-  cli.quiet_datasets()
-  from moc_jax.config import load_run_config, validate
+  cli.begin(argv)
   from moc_jax.eval.run import evaluate, markdown_table
-  if not FLAGS.workdir:
-    raise ConfigError("--workdir=DIR is required: the directory of a training run")
   options = _options()
-  config = load_run_config(FLAGS.workdir, cli.override_values())
-  cli.use_fake_devices(config.num_fake_devices)
-  validate(config)
-  config.lock()
+  config = cli.run_config(FLAGS.workdir, cli.override_values())
   print(markdown_table(evaluate(config, FLAGS.workdir, options)))
 
 

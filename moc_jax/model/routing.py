@@ -94,6 +94,17 @@ def router_losses(logits, probs, routed_ids, num_shared, load_balance):
   }
 
 
+def read_weight(chapters, weights, num_chapters, valid=None):
+  """How much each chapter was read: per memory layer, the chapter weights of every decision summed per chapter.
+  chapters / weights [n_mem, ..., s+k] (aux `chapters` / `weights`), optional `valid` masking the decisions
+  (broadcast against chapters[1:-1]) -> [n_mem, num_chapters] float32, outside the gradient."""
+  w = jax.lax.stop_gradient(weights).astype(jnp.float32)
+  if valid is not None:
+    w = w * valid[..., None].astype(jnp.float32)
+  flat = lambda x: x.reshape(x.shape[0], -1)
+  return jax.vmap(lambda c, v: jnp.zeros((num_chapters,), jnp.float32).at[c].add(v))(flat(chapters), flat(w))
+
+
 def _mean_entropy(probs):
   return jnp.mean(-jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1))
 

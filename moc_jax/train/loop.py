@@ -19,8 +19,8 @@ from jax.experimental import multihost_utils
 
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
-from moc_jax import flops, optim, sharding
-from moc_jax.config import routing_statement
+from moc_jax import bank_background, flops, optim, sharding
+from moc_jax.config import bank_ids, routing_statement
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import CheckpointError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
@@ -80,9 +80,22 @@ def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
     return _train(config, workdir, mesh, make_evaluator)
 
 
+def _smf_idf(config):
+  """The background idf of `bank_optimizer=smf` (read before anything compiles), else None."""
+  t = config.train
+  if t.bank_optimizer != "smf":
+    return None
+  path = bank_background.path_for(t)
+  idf = bank_background.idf(path, max(bank_ids(config)) + 1, config.memory.num_chapters)
+  log.warning("moc_jax: sparse memory finetuning: %d chapters per bank per update, ranked against %s",
+              t.smf_top_t, path)
+  return idf
+
+
 def _train(config, workdir, mesh, make_evaluator):
   t = config.train
   model_tokenizer(config)  # ids past the embedding are refused before anything is built
+  idf = _smf_idf(config)
   layout = build_state(config, mesh)
   graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
   log.warning("moc_jax: mesh %s over %d devices (%d processes)%s", dict(mesh.shape), mesh.size, jax.process_count(),
@@ -109,7 +122,7 @@ def _train(config, workdir, mesh, make_evaluator):
   throughput = Throughput(config)
   writer = MetricsWriter(workdir, t.steps, start, t.progress) if jax.process_index() == 0 else _NoMetrics()
   batch_sharding = sharding.data_sharding(config, mesh)
-  train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding)
+  train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding, idf)
   evaluator = make_evaluator(config, graphdef, shardings["params"], batch_sharding)
   preempt = _Preemption()
   if start == 0:  # the untrained baseline anchors the curves

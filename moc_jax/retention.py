@@ -1,0 +1,270 @@
+"""`python -m moc_jax.retention --out=DIR [--quick] [--parallel=2] [--config=configs/moc.py:tiny]`
+
+Does memory protect what a model knew when it learns something new? The protocol (docs/retention.md):
+
+  phase 1  MoC and its iso-FLOP vanilla pre-train on facts A (moc_facts), once per seed (sweep
+           `retention_pretrain` of the config file); `python -m moc_jax.eval.background` then counts the
+           MoC runs' chapter reads on A, the background sparse memory finetuning ranks against;
+  phase 2  every arm of sweep `retention_finetune` continues from its kind's phase-1 weights of the same seed
+           (`train.init_from`, fresh optimizer) on facts B: new entities, none of A's text;
+  measure  on every phase-1 and phase-2 checkpoint, in this process: recall of A and of B on every probe
+           (likelihood choice among 4 candidates, and greedy exact match) and CE on A's validation split.
+
+Forgetting of an arm = (A recall before - A recall after) / (A recall before - chance): the share of what
+phase 1 learnt above chance that phase 2 lost. Learning = B recall after - chance. DIR/retention.md and
+DIR/retention.csv hold one row per arm (mean +- standard error over seeds) and DIR/retention.png plots
+learning against forgetting. Like the sweeps (moc_jax/sweeps.py) it is resumable and idempotent: finished
+runs are skipped, interrupted ones resume, and the scores of a checkpoint are kept in its workdir.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+from absl import flags
+
+from moc_jax import cli
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """This command's flags (defined only when it runs: other entry points define their own)."""
+  flags.DEFINE_string("out", "retention", "Directory of the harness (pretrain/, finetune/, the table and plot).")
+  flags.DEFINE_string("config", "configs/moc.py:tiny", "The config file and argument whose sweeps "
+                      "retention_pretrain and retention_finetune define the arms.")
+  flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
+  flags.DEFINE_integer("parallel", 2, "Runs at once.")
+
+# The default size fits in 45 minutes on a 2-core CPU; quick in about two.
+SIZES = {
+    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 300}, "finetune": {"train.steps": 100,
+                                                                                   "train.warmup_steps": 10}},
+    "quick": {"seeds": (0,), "shapes": {"data.seq_len": 32, "train.batch_size": 4, "train.eval_batches": 1,
+                                        "data.facts.num_docs": 200, "data.facts.num_val_docs": 20},
+              "pretrain": {"train.steps": 4, "train.warmup_steps": 1},
+              "finetune": {"train.steps": 3, "train.warmup_steps": 1}},
+}
+SCORES = "retention_scores.json"
+
+
+def _phase(spec, sweep, size, extra, seeds, origin=None):
+  """The sweep's points at this size (steps, evaluation and checkpoint at the end only) for `seeds`; with
+  `origin` {(kind, seed): phase-1 workdir}, each point starts from its kind's weights of its seed."""
+  from moc_jax import sweeps
+  from moc_jax.config import validate
+  steps = extra["train.steps"]
+  every = {"train.eval_every": steps, "train.checkpoint_every": steps, "train.log_every": max(1, steps // 10)}
+  if origin:  # planned (and validated) with some init_from, then each point given its own
+    every["train.init_from"] = next(iter(origin.values()))
+  points = [p for p in sweeps.plan(spec, sweep, {**size.get("shapes", {}), **extra, **every}) if p.config.seed in seeds]
+  for p in points if origin else ():
+    p.overrides["train.init_from"] = origin[(_kind(p.config), p.config.seed)]
+    p.config = sweeps.resolve(spec, p.overrides)
+    validate(p.config)
+  return points
+
+
+def _kind(config) -> str:
+  return "moc" if config.memory.enabled else "vanilla"
+
+
+def arm_label(config) -> str:
+  """The arm a finetuning run is, in words."""
+  t = config.train
+  if not config.memory.enabled:
+    return "iso-FLOP vanilla, full finetuning"
+  if t.bank_optimizer == "smf":
+    return f"MoC, chapter SMF (top {t.smf_top_t}; backbone and memory layers frozen)"
+  if t.freeze_bank:
+    return "MoC, bank dropped from the optimizer"
+  if t.bank_lr is None:
+    return "MoC, bank LR = memory LR"
+  return "MoC, bank LR = 0 (frozen)" if t.bank_lr == 0 else f"MoC, bank LR {t.bank_lr / t.memory_lr:g}x"
+
+
+def _launch(directory, spec, sweep, points, parallel):
+  from moc_jax import sweeps
+  launcher = sweeps.Launcher(directory, spec, sweep, points, python_path=(os.getcwd(),))
+  counts = launcher.run(parallel)
+  if counts.get("done", 0) != len(points):
+    raise SystemExit(f"retention: {sweep} finished {counts.get('done', 0)} of {len(points)} runs ({counts}); "
+                     f"see {directory}/manifest.jsonl and each run's sweep.log, then re-run the same command")
+
+
+def _background(workdir):
+  """The chapter reads of a MoC pre-training run on its own data (bank_background.json), once."""
+  from moc_jax import bank_background
+  if os.path.exists(os.path.join(workdir, bank_background.FILENAME)):
+    return
+  subprocess.run([sys.executable, "-m", "moc_jax.eval.background", f"--workdir={workdir}"], check=True)
+
+
+def _facts(config, facts_seed):
+  data = config.data.copy_and_resolve_references()
+  data.facts.seed = facts_seed
+  return data
+
+
+class _Scorer:
+  """Recall of facts A and B and CE on A's validation split of checkpoints, the evaluators built once per
+  model shape (the phase-2 arms of a kind share them)."""
+
+  def __init__(self, facts_a, facts_b):
+    self.facts = {"A": facts_a, "B": facts_b}
+    self.cache = {}
+
+  def __call__(self, workdir) -> dict:
+    path = os.path.join(workdir, SCORES)
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+    from moc_jax import sharding
+    from moc_jax.config import load_run_config, validate
+    from moc_jax.data import load_probes
+    from moc_jax.data.tokenizers import model_tokenizer
+    from moc_jax.eval.ce import CEEvaluator, split_batches
+    from moc_jax.eval.probes import ProbeEvaluator
+    from moc_jax.state import build_state, restore_params
+    config = load_run_config(workdir)
+    validate(config)
+    mesh = sharding.make_mesh(config)
+    with sharding.activate(mesh, sharding.rules_of(config)):
+      layout = build_state(config, mesh)
+      params, step = restore_params(workdir, layout)
+      key = json.dumps({k: config[k].to_dict() for k in ("model", "memory", "data")}, sort_keys=True, default=str)
+      if key not in self.cache:
+        tokenizer = model_tokenizer(config)
+        probes = {name: ProbeEvaluator(layout.graphdef, load_probes(_facts(config, seed)), tokenizer)
+                  for name, seed in self.facts.items()}
+        config_a = config.copy_and_resolve_references()
+        config_a.data = _facts(config, self.facts["A"])
+        ce = CEEvaluator(layout.graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
+                         split_batches(config_a, "validation"))
+        self.cache[key] = probes, ce
+      probes, ce = self.cache[key]
+      scores = {"workdir": workdir, "step": step, "ce_A": ce(params)["ce"]}
+      for name, evaluator in probes.items():
+        out = evaluator(params)
+        scores.update({f"recall_{name}": out["probe_acc"], f"exact_{name}": out["probe_exact"],
+                       f"probes_{name}": out["num_probes"], "chance": out["probe_chance"]})
+    with open(path + ".tmp", "w") as f:
+      json.dump(scores, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return scores
+
+
+def _mean_se(values):
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def forgetting(before, after, chance) -> float:
+  """The share of phase 1's recall above chance that phase 2 lost (NaN when phase 1 learnt nothing)."""
+  return (before - after) / (before - chance) if before > chance else float("nan")
+
+
+def summarise(rows) -> list[dict]:
+  """rows: one per finetuning run {arm, seed, before: scores, after: scores} -> one per arm, mean and SE."""
+  arms = {}
+  for r in rows:
+    arms.setdefault(r["arm"], []).append(r)
+  out = []
+  for arm, runs in arms.items():
+    chance = runs[0]["after"]["chance"]
+    per_run = {
+        "A_before": [r["before"]["recall_A"] for r in runs], "A_after": [r["after"]["recall_A"] for r in runs],
+        "B_after": [r["after"]["recall_B"] for r in runs], "exact_A_after": [r["after"]["exact_A"] for r in runs],
+        "exact_B_after": [r["after"]["exact_B"] for r in runs], "ce_A_after": [r["after"]["ce_A"] for r in runs],
+        "forgetting": [forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance) for r in runs],
+        "learning": [r["after"]["recall_B"] - chance for r in runs]}
+    row = {"arm": arm, "seeds": len(runs)}
+    for k, v in per_run.items():
+      row[k], row[k + "_se"] = _mean_se(v)
+    out.append(row)
+  return out
+
+
+COLUMNS = (("A_before", "A recall before"), ("A_after", "A recall after"), ("forgetting", "forgetting of A"),
+           ("B_after", "B recall after"), ("learning", "learning of B"), ("exact_A_after", "A exact after"),
+           ("exact_B_after", "B exact after"), ("ce_A_after", "CE on A after"))
+
+
+def markdown(summary) -> str:
+  head = "| arm | seeds | " + " | ".join(name for _, name in COLUMNS) + " |"
+  lines = [head, "|---|---:|" + "---:|" * len(COLUMNS)]
+  for r in summary:
+    cells = [f"{r[k]:.3f} ± {r[k + '_se']:.3f}" for k, _ in COLUMNS]
+    lines.append(f"| {r['arm']} | {r['seeds']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def write_csv(summary, path):
+  keys = ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")]
+  with open(path, "w") as f:
+    f.write(",".join(keys) + "\n")
+    for r in summary:
+      f.write(",".join(f'"{r[k]}"' if k == "arm" else f"{r[k]:.6g}" if isinstance(r[k], float) else str(r[k])
+                       for k in keys) + "\n")
+
+
+def plot(summary, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in summary:
+    ax.errorbar(r["learning"], r["forgetting"], xerr=r["learning_se"], yerr=r["forgetting_se"], fmt="o",
+                capsize=3, label=r["arm"])
+  ax.axhline(0, color="grey", lw=0.5)
+  ax.set_xlabel("learning of B: B recall after phase 2 - chance")
+  ax.set_ylabel("forgetting of A: share of A's recall above chance lost")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run(out, spec, quick, parallel) -> list[dict]:
+  size = SIZES["quick" if quick else "default"]
+  seeds = size["seeds"]
+  out = os.path.abspath(out)
+  pre_dir, fine_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
+  pretrain = _phase(spec, "retention_pretrain", size, size["pretrain"], seeds)
+  _launch(pre_dir, spec, "retention_pretrain", pretrain, parallel)
+  origin = {(_kind(p.config), p.config.seed): os.path.join(pre_dir, p.name) for p in pretrain}
+  for (kind, _), workdir in origin.items():
+    if kind == "moc":
+      _background(workdir)
+  finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin)
+  _launch(fine_dir, spec, "retention_finetune", finetune, parallel)
+  scorer = _Scorer(pretrain[0].config.data.facts.seed, finetune[0].config.data.facts.seed)
+  rows = [{"arm": arm_label(p.config), "seed": p.config.seed,
+           "before": scorer(origin[(_kind(p.config), p.config.seed)]),
+           "after": scorer(os.path.join(fine_dir, p.name))} for p in finetune]
+  summary = summarise(rows)
+  with open(os.path.join(out, "retention.md"), "w") as f:
+    f.write(markdown(summary) + "\n")
+  write_csv(summary, os.path.join(out, "retention.csv"))
+  with open(os.path.join(out, "retention_runs.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  plot(summary, os.path.join(out, "retention.png"))
+  return summary
+
+
+def main(argv):
+  from moc_jax.errors import UsageError
+  cli.begin(argv)
+  if FLAGS.parallel < 1:
+    raise UsageError(f"--parallel={FLAGS.parallel}: run at least one at a time")
+  summary = run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel)
+  print(markdown(summary))
+  print(f"\n{FLAGS.out}/retention.md, retention.csv, retention.png")
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

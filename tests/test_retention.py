@@ -1,0 +1,35 @@
+"""The retention harness's arithmetic (moc_jax/retention.py): forgetting, learning, means and standard errors
+over seeds, against hand computations. The harness end to end runs in CI (`python -m moc_jax.retention
+--quick`, .ci/run)."""
+import math
+
+import numpy as np
+
+from moc_jax import retention
+
+
+def scores(recall_a, recall_b, ce=1.0):
+  return {"recall_A": recall_a, "recall_B": recall_b, "exact_A": 0.0, "exact_B": 0.0, "ce_A": ce, "chance": 0.25}
+
+
+def test_forgetting_is_the_share_of_learnt_recall_lost():
+  assert retention.forgetting(0.75, 0.5, 0.25) == 0.5
+  assert retention.forgetting(0.5, 0.5, 0.25) == 0.0
+  assert retention.forgetting(0.55, 0.6, 0.25) < 0  # phase 2 improved A
+  assert math.isnan(retention.forgetting(0.25, 0.2, 0.25))  # nothing learnt, nothing to forget
+
+
+def test_summary_means_and_standard_errors_over_seeds():
+  rows = [{"arm": "x", "seed": s, "before": scores(b, 0.25), "after": scores(a, rb)}
+          for s, (b, a, rb) in enumerate([(0.75, 0.5, 0.45), (0.65, 0.5, 0.55), (0.85, 0.55, 0.65)])]
+  rows.append({"arm": "y", "seed": 0, "before": scores(0.75, 0.25), "after": scores(0.75, 0.35)})
+  x, y = retention.summarise(rows)
+  f = np.array([0.25 / 0.5, 0.15 / 0.4, 0.3 / 0.6])
+  assert x["seeds"] == 3 and y["seeds"] == 1
+  np.testing.assert_allclose(x["forgetting"], f.mean())
+  np.testing.assert_allclose(x["forgetting_se"], f.std(ddof=1) / np.sqrt(3))
+  np.testing.assert_allclose(x["learning"], np.mean([0.2, 0.3, 0.4]))
+  np.testing.assert_allclose(x["A_before"], 0.75)
+  assert y["forgetting"] == 0 and math.isnan(y["forgetting_se"])
+  table = retention.markdown([x, y])
+  assert table.count("\n") == 3 and "| x | 3 | 0.750 ± 0.058 | 0.517 ± 0.017 |" in table

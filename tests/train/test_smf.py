@@ -1,0 +1,161 @@
+"""`train.bank_optimizer=smf`: sparse memory finetuning over chapters.
+
+The TF-IDF choice against a numpy ranking on random counts; the background file's idf against its formula and
+its refusals; the read weights against a loop; through the real jitted train step, chapters outside the top-t
+keep their bank values and optimizer state bit for bit; with top-t = every chapter, SMF is the dense update.
+"""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moc_jax
+from moc_jax import bank_background, optim, sharding
+from moc_jax import state as state_lib
+from moc_jax.config import bank_ids
+from moc_jax.model.routing import read_weight
+from moc_jax.train import step as step_lib
+from tests.train.test_lazy_adam import bank_leaf, batch, lazy_state
+
+
+def numpy_smf_mask(read, banks_of_layer, idf, top_t, padded):
+  """Per bank: chapters sorted by score (descending; ties by lower id), the first top_t marked."""
+  banks, c = idf.shape
+  tf = np.zeros((banks, c))
+  for layer, b in enumerate(banks_of_layer):
+    tf[b] += read[layer]
+  mask = np.zeros((banks, padded), bool)
+  for b in range(banks):
+    score = tf[b] * idf[b]
+    order = sorted(range(c), key=lambda i: (-score[i], i))
+    mask[b, order[:top_t]] = True
+  return mask
+
+
+def test_tf_idf_choice_equals_numpy_on_random_counts():
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    layers, banks, c, top_t = 3, 2, 11, int(rng.integers(1, 12))
+    read = rng.integers(0, 4, (layers, c)).astype(np.float32) * rng.random((layers, c)).astype(np.float32)
+    read[:, rng.random(c) < 0.3] = 0  # unread chapters tie at score 0
+    idf = rng.random((banks, c)).astype(np.float32) * 3
+    got = np.asarray(optim.smf_chapters(jnp.asarray(read), (0, 1, 0), jnp.asarray(idf), top_t, 13))
+    want = numpy_smf_mask(read.astype(np.float64), (0, 1, 0), idf.astype(np.float64), top_t, 13)
+    np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+    assert not got[:, c:].any()  # padded chapters never
+
+
+def test_idf_follows_its_formula_and_bad_files_are_refused(tmp_path):
+  df = np.array([[40, 0, 3, 40], [40, 7, 1, 0]])
+  path = str(tmp_path / "bg.json")
+  bank_background.write(path, df, np.array([40, 40]), step=5)
+  want = np.log((1 + 40) / (1 + df.astype(np.float64)))
+  np.testing.assert_allclose(bank_background.idf(path, 2, 4), want, rtol=1e-6)
+  assert bank_background.idf(path, 2, 4)[0, 0] == 0  # read by every decision: no weight
+  with pytest.raises(moc_jax.ConfigError, match=r"train\.smf_background: .*2 banks x 4 chapters, the model has 1 x 4"):
+    bank_background.idf(path, 1, 4)
+  with pytest.raises(moc_jax.ConfigError, match=r"train\.smf_background: .*does not exist.*moc_jax\.eval\.background"):
+    bank_background.idf(str(tmp_path / "missing.json"), 2, 4)
+  (tmp_path / "bad.json").write_text(json.dumps({"df": [[50]], "decisions": [40]}))
+  with pytest.raises(moc_jax.ConfigError, match="outside"):
+    bank_background.idf(str(tmp_path / "bad.json"), 1, 1)
+
+
+def test_read_weight_sums_chapter_weights_per_layer():
+  rng = np.random.default_rng(1)
+  chapters = rng.integers(0, 6, (2, 3, 5, 4))
+  weights = rng.random((2, 3, 5, 4)).astype(np.float32)
+  valid = rng.random((3, 5)) < 0.7
+  want = np.zeros((2, 6))
+  for layer, b, pos, slot in np.ndindex(chapters.shape):
+    want[layer, chapters[layer, b, pos, slot]] += weights[layer, b, pos, slot] * valid[b, pos]
+  got = read_weight(jnp.asarray(chapters), jnp.asarray(weights), 6, jnp.asarray(valid))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+# --- the real jitted train step on the tiny model ----------------------------------------------------------
+
+STEP = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "train.grad_accum": 2,
+        "train.warmup_steps": 1, "memory.sharing": "per_layer", "model.compute_dtype": "float32",
+        "train.smf_background": "unused"}
+
+
+def train(overrides, idf, steps):
+  """(config, initial state, state and metrics after each update) of the tiny model."""
+  config = moc_jax.load_config("configs/moc.py:tiny", {**STEP, **overrides})
+  mesh = sharding.make_mesh(config, jax.devices()[:1])
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    layout = state_lib.build_state(config, mesh)
+    state = layout.init()
+    init = jax.tree.map(np.asarray, {k: state[k] for k in ("params", "opt_state")})
+    data_sharding = sharding.data_sharding(config, mesh)
+    step = step_lib.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, data_sharding,
+                                   None if idf is None else jnp.asarray(idf))
+    history = []
+    for s in range(steps):
+      state, metrics = step(state, jax.device_put(batch(config, s), data_sharding))
+      history.append(jax.tree.map(np.asarray, ({k: state[k] for k in ("params", "opt_state")}, metrics)))
+  return config, init, history
+
+
+def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical():
+  """Two banks, two micro-batches per update, top-3 of 65 chapters by tf·idf with a random idf: per update,
+  the chapters numpy ranks outside the top-3 (from the step's own read weights) keep value, moments and count
+  bit for bit; the top-3 move (from update 2, once the LR is nonzero)."""
+  c = 65
+  idf = np.random.default_rng(2).random((2, c)).astype(np.float32)
+  config, init, history = train({"train.bank_optimizer": "smf", "train.smf_top_t": 3}, idf, 3)
+  before = (bank_leaf(init["params"]["bank"]), *(bank_leaf(x) for x in lazy_state(init["opt_state"])[1:]),
+            bank_leaf(lazy_state(init["opt_state"]).count))
+  for i, (state, metrics) in enumerate(history):
+    mask = numpy_smf_mask(metrics["router_read"].astype(np.float64), bank_ids(config), idf.astype(np.float64), 3, c)
+    lazy = lazy_state(state["opt_state"])
+    after = (bank_leaf(state["params"]["bank"]), bank_leaf(lazy.mu), bank_leaf(lazy.nu), bank_leaf(lazy.count))
+    for old, new in zip(before, after):
+      assert old[~mask].tobytes() == new[~mask].tobytes(), i
+    np.testing.assert_array_equal(after[3] - before[3], mask)
+    if i > 0:
+      assert np.all(np.any(after[0][mask] != before[0][mask], axis=(1, 2))), i
+    before = after
+  assert metrics["router_read"].sum() > 0
+
+
+def test_smf_with_every_chapter_is_the_dense_update():
+  dense = train({}, None, 3)[2]
+  smf = train({"train.bank_optimizer": "smf", "train.smf_top_t": 65}, np.ones((2, 65), np.float32), 3)[2]
+  for (a, _), (b, _) in zip(smf, dense):
+    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+      np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-8)
+
+
+def test_config_refuses_smf_without_background_or_with_a_bad_top_t():
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.smf_background: .*moc_jax\.eval\.background"):
+    moc_jax.load_config("configs/moc.py:tiny", {"train.bank_optimizer": "smf"})
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.smf_top_t: 66 is outside \[1, memory\.num_chapters=65\]"):
+    moc_jax.load_config("configs/moc.py:tiny", {"train.bank_optimizer": "smf", "train.smf_top_t": 66,
+                                                "train.init_from": "runs/x"})
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.bank_optimizer: 'smf' with train\.freeze_bank"):
+    moc_jax.load_config("configs/moc.py:tiny", {"train.bank_optimizer": "smf", "train.freeze_bank": True})
+
+
+def test_background_counts_per_bank_sum_the_layers_reading_it():
+  """Three memory layers, the first and last on bank 0; 10 decisions per layer; 1 shared chapter."""
+  counts = np.array([[0, 4, 0, 6], [0, 1, 9, 0], [0, 2, 2, 2]])
+  got = bank_background.per_bank(counts, 10, (0, 1, 0), 1)
+  np.testing.assert_array_equal(got["decisions"], [20, 10])
+  np.testing.assert_array_equal(got["df"], [[20, 6, 2, 8], [10, 1, 9, 0]])
+
+
+def test_training_refuses_a_missing_background_before_touching_the_workdir(tmp_path):
+  """Exit code 2, one line naming train.smf_background and the command that writes it; no config.json."""
+  import subprocess
+  import sys
+  workdir = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-m", "moc_jax.main", "--config=configs/moc.py:tiny,runlocal",
+                         f"--workdir={workdir}", "--config.train.bank_optimizer=smf",
+                         f"--config.train.init_from={tmp_path / 'pretrained'}"], capture_output=True, text=True)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "train.smf_background" in proc.stderr and "moc_jax.eval.background" in proc.stderr
+  assert not (workdir / "config.json").exists()
