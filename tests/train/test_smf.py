@@ -17,7 +17,7 @@ from moc_jax import state as state_lib
 from moc_jax.config import bank_ids
 from moc_jax.model.routing import read_weight
 from moc_jax.train import step as step_lib
-from tests.train.test_lazy_adam import bank_leaf, batch, lazy_state
+from tests.train.test_lazy_adam import bank_leaf, batch, lazy_state, run_updates, tiny_optimizer
 
 
 def numpy_smf_mask(read, banks_of_layer, idf, top_t, padded):
@@ -79,6 +79,7 @@ def test_read_weight_sums_chapter_weights_per_layer():
 
 STEP = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "train.grad_accum": 2,
         "train.warmup_steps": 1, "memory.sharing": "per_layer", "model.compute_dtype": "float32",
+        "model.num_layers": 2, "memory.layer_indices": (0, 1), "model.remat": "none",
         "train.smf_background": "unused"}
 
 
@@ -123,11 +124,22 @@ def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical(
 
 
 def test_smf_with_every_chapter_is_the_dense_update():
-  dense = train({}, None, 3)[2]
-  smf = train({"train.bank_optimizer": "smf", "train.smf_top_t": 65}, np.ones((2, 65), np.float32), 3)[2]
-  for (a, _), (b, _) in zip(smf, dense):
-    for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
-      np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-8)
+  """top-t = every chapter: whatever the reads and the background, the mask is all chapters and three updates
+  equal dense AdamW (every parameter, the bank's moments) to float32 rounding."""
+  params, dense_tx = tiny_optimizer()
+  _, smf_tx = tiny_optimizer(**{"train.bank_optimizer": "smf", "train.smf_top_t": 65, "train.init_from": "x"})
+  rng = np.random.default_rng(3)
+  masks = [np.asarray(optim.smf_chapters(jnp.asarray(rng.random((2, 65)) * (rng.random((2, 65)) < 0.2), jnp.float32),
+                                         (0, 0), jnp.asarray(rng.random((1, 65)), jnp.float32), 65, 65))
+           for _ in range(3)]
+  assert all(m.all() for m in masks)
+  dense, dense_opt = run_updates(params, dense_tx, [None] * 3)[-1]
+  smf, smf_opt = run_updates(params, smf_tx, masks)[-1]
+  for a, b in zip(jax.tree.leaves(smf), jax.tree.leaves(dense)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+  adam = dense_opt[-1].inner_states["bank"].inner_state[0]
+  np.testing.assert_allclose(bank_leaf(lazy_state(smf_opt).mu), bank_leaf(adam.mu), rtol=1e-6, atol=1e-12)
+  np.testing.assert_allclose(bank_leaf(lazy_state(smf_opt).nu), bank_leaf(adam.nu), rtol=1e-6, atol=1e-12)
 
 
 def test_config_refuses_smf_without_background_or_with_a_bad_top_t():
