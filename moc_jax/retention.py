@@ -18,15 +18,16 @@ runs are skipped, interrupted ones resume, and the scores of a checkpoint are ke
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 from absl import flags
 
 from moc_jax import cli
+from moc_jax.sweep_report import mean_and_se
 
 FLAGS = flags.FLAGS
 
@@ -39,7 +40,7 @@ def define_flags():
   flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
   flags.DEFINE_integer("parallel", 2, "Runs at once.")
 
-# The default size fits in 45 minutes on a 2-core CPU; quick in about two.
+# The default size took 37 minutes on a 2-core CPU (docs/retention.md); quick about six.
 SIZES = {
     "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 300}, "finetune": {"train.steps": 100,
                                                                                    "train.warmup_steps": 10}},
@@ -78,7 +79,8 @@ def arm_label(config) -> str:
   if not config.memory.enabled:
     return "iso-FLOP vanilla, full finetuning"
   if t.bank_optimizer == "smf":
-    return f"MoC, chapter SMF (top {t.smf_top_t}; backbone and memory layers frozen)"
+    rest = "backbone and memory layers frozen" if t.base_lr == t.memory_lr == 0 else "the rest training"
+    return f"MoC, chapter SMF (top {t.smf_top_t}; {rest})"
   if t.freeze_bank:
     return "MoC, bank dropped from the optimizer"
   if t.bank_lr is None:
@@ -123,14 +125,12 @@ class _Scorer:
       with open(path) as f:
         return json.load(f)
     from moc_jax import sharding
-    from moc_jax.config import load_run_config, validate
     from moc_jax.data import load_probes
     from moc_jax.data.tokenizers import model_tokenizer
     from moc_jax.eval.ce import CEEvaluator, split_batches
     from moc_jax.eval.probes import ProbeEvaluator
     from moc_jax.state import build_state, restore_params
-    config = load_run_config(workdir)
-    validate(config)
+    config = cli.run_config(workdir, {})
     mesh = sharding.make_mesh(config)
     with sharding.activate(mesh, sharding.rules_of(config)):
       layout = build_state(config, mesh)
@@ -157,11 +157,6 @@ class _Scorer:
     return scores
 
 
-def _mean_se(values):
-  v = np.asarray(values, np.float64)
-  return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
-
-
 def forgetting(before, after, chance) -> float:
   """The share of phase 1's recall above chance that phase 2 lost (NaN when phase 1 learnt nothing)."""
   return (before - after) / (before - chance) if before > chance else float("nan")
@@ -183,7 +178,7 @@ def summarise(rows) -> list[dict]:
         "learning": [r["after"]["recall_B"] - chance for r in runs]}
     row = {"arm": arm, "seeds": len(runs)}
     for k, v in per_run.items():
-      row[k], row[k + "_se"] = _mean_se(v)
+      row[k], row[k + "_se"] = mean_and_se(v)
     out.append(row)
   return out
 
@@ -203,12 +198,10 @@ def markdown(summary) -> str:
 
 
 def write_csv(summary, path):
-  keys = ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")]
-  with open(path, "w") as f:
-    f.write(",".join(keys) + "\n")
-    for r in summary:
-      f.write(",".join(f'"{r[k]}"' if k == "arm" else f"{r[k]:.6g}" if isinstance(r[k], float) else str(r[k])
-                       for k in keys) + "\n")
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")])
+    writer.writeheader()
+    writer.writerows(summary)
 
 
 def plot(summary, path):

@@ -136,6 +136,12 @@ def _eval_routing(workdir) -> dict:
   return out
 
 
+def mean_and_se(values) -> tuple[float, float]:
+  """Mean and standard error (sample standard deviation / sqrt(n); NaN for one value) of per-seed results."""
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
 def seed_groups(rows) -> list[dict]:
   """Finished runs that differ only in their seed (`<point>-seed<N>`), as one row per point: n and, for each
   SEED_METRICS column, the mean and standard error over seeds (sample standard deviation / sqrt(n))."""
@@ -147,10 +153,9 @@ def seed_groups(rows) -> list[dict]:
   for name, members in groups.items():
     row = {"point": name, "n": len(members), "kind": members[0]["kind"]}
     for key in SEED_METRICS:
-      values = np.array([m[key] for m in members if m.get(key) is not None], np.float64)
-      if len(values):
-        row[key] = float(values.mean())
-        row[key + "_se"] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+      values = [m[key] for m in members if m.get(key) is not None]
+      if values:
+        row[key], row[key + "_se"] = mean_and_se(values)
     out.append(row)
   return out
 
