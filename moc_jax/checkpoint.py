@@ -149,7 +149,10 @@ def _fingerprints(tree):
 
 def _fingerprint(x):
   """sum_i bits_i * (i * golden | 1) mod 2**32 over the flattened array: an integer sum, so the same on any
-  mesh; each weight is odd, so a change of any one element changes it."""
+  mesh; each weight is odd, so a change of any one element changes it. An array in host memory
+  (train.bank_state_memory) is summed on the device, one array at a time."""
+  if jax.typeof(x).memory_space == jax.memory.Space.Host:
+    x = jax.device_put(x, jax.memory.Space.Device)
   bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
   weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(0x9E3779B1) | jnp.uint32(1)
   return jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32)

@@ -38,10 +38,10 @@ def _inputs(batch):
                                                              "positions": batch.get("positions")}
 
 
-def forward(model, batch, *, train):
+def forward(model, batch, *, train, **extra):
   """The model on a data batch dict (optional keys: attention_mask, segment_ids, positions)."""
   args, kwargs = _inputs(batch)
-  return model(*args, **kwargs, train=train)
+  return model(*args, **kwargs, train=train, **extra)
 
 
 def chunked_next_token_nll(model, h, labels, chunk):
@@ -66,17 +66,19 @@ def chunked_next_token_nll(model, h, labels, chunk):
   return total, count
 
 
-def lm_loss(model, batch, *, train):
+def lm_loss(model, batch, *, train, bank_deltas=None):
   """CE (+ router aux loss when training, as MoC-PT adds it only in train mode) -> (loss, (ce, aux)).
-  With `model.logits_chunk` the head runs chunk by chunk (same value, far smaller temporaries)."""
+  With `model.logits_chunk` the head runs chunk by chunk (same value, far smaller temporaries).
+  `bank_deltas`: the memory layers read the bank through them (Transformer.__call__)."""
   chunk = model.cfg.model.logits_chunk
+  extra = {} if bank_deltas is None else {"bank_deltas": bank_deltas}
   if chunk and batch["labels"].shape[1] % chunk == 0 and batch["labels"].shape[1] > chunk:
     args, kwargs = _inputs(batch)
-    h, aux = model.features(*args, **kwargs, train=train)
+    h, aux = model.features(*args, **kwargs, train=train, **extra)
     total, count = chunked_next_token_nll(model, h, batch["labels"], chunk)
     ce = total / jnp.maximum(count, 1)
   else:
-    logits, aux = forward(model, batch, train=train)
+    logits, aux = forward(model, batch, train=train, **extra)
     ce = next_token_ce(logits, batch["labels"])
   loss = ce + aux["router_loss"] if train else ce
   return loss, (ce, aux)

@@ -5,14 +5,15 @@ gradient, and three parameter groups (base / memory layers / bank), each with it
 following one schedule multiplier λ(s). The n-th update uses λ(n-1), so the first update has lr 0
 for warm-up schedules, exactly as MoC-PT's LambdaLR.
 
-`train.bank_optimizer=lazy_adam` replaces the bank group's AdamW by `lazy_adamw`: AdamW over the chapters
-an update read (given as the `chapter_mask` extra argument of `tx.update`, see `chapters_read`), the other
-chapters' values and moments untouched. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
+`train.bank_optimizer=lazy_adam` replaces the bank group's AdamW by lazy AdamW (`LazyBankOptimizer`): AdamW
+over the chapters an update read (`chapters_read`), the other chapters' values and moments untouched, at a
+cost that follows the chapters read. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
 update over another set of chapters: per bank the `train.smf_top_t` chapters the update read most against a
 background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.compute_on import compute_on
 
 from moc_jax.model.build import param_groups
 
@@ -68,13 +70,21 @@ def group_labels(params):
 
 
 class LazyAdamState(NamedTuple):
-  """`lazy_adamw`'s state. `count`: per chapter, the updates that read it, int32 [banks, chapters] for each
+  """The bank's lazy AdamW state. `count`: per chapter, the updates that read it, int32 [banks, chapters] for each
   bank leaf, in a tree shaped like the parameters so that the chapter padding (padding.py: axis 1 under
   `bank/memory`) and the shardings (logical names ("banks", "chapters")) treat it as they treat the moments.
   `mu`, `nu`: Adam's moments, like the parameters."""
   count: optax.Updates
   mu: optax.Updates
   nu: optax.Updates
+
+
+class SparseRows(NamedTuple):
+  """One bank's gradient on the chapters it names: `ids` [K] chapter ids, distinct (slots past them name
+  chapter C, one past the last: nothing), `values` [K, T, dm] d loss / d bank[ids]. Any other chapter's
+  gradient is zero."""
+  ids: jax.Array
+  values: jax.Array
 
 
 def _chapter_counts(p):
@@ -87,48 +97,168 @@ def _chapter_counts(p):
   return p.replace(counts, out_sharding=None if names is None else tuple(names[:2]))
 
 
-def _lazy_adamw_leaf(g, m, v, count, p, read, b1, b2, eps, weight_decay):
-  """One bank leaf [banks, chapters, ...]: AdamW (the formulas of optax.scale_by_adam and add_decayed_weights)
-  where `read` [banks, chapters] is set, with the chapter's own step count in the bias correction; elsewhere
-  a zero update and m, v, count as they were. -> (update, m, v, count)."""
+def lazy_adamw_rows(g, m, v, count, p, read, lr, b1, b2, eps, weight_decay):
+  """Lazy AdamW on rows of the bank: g, m, v, p [..., chapters or K, ...] with `read` and `count` over their
+  leading chapter axes. A read row takes one AdamW step (the formulas of optax.scale_by_adam and
+  add_decayed_weights, then `lr`, the signed schedule LR, as optax.scale_by_schedule applies it) with its
+  own step count in the bias correction; any other row keeps its value, moments and count bit for bit.
+  -> (p, m, v, count)."""
   count = count + read.astype(count.dtype)
-  read = read.reshape(read.shape + (1,) * (g.ndim - 2))
+  read = read.reshape(read.shape + (1,) * (g.ndim - read.ndim))
   m = jnp.where(read, (1 - b1) * g + b1 * m, m)
   v = jnp.where(read, (1 - b2) * (g ** 2) + b2 * v, v)
   steps = jnp.maximum(count, 1).reshape(read.shape)  # a never-read chapter divides by 1 - b**1, not by 0
   m_hat = m / (1 - b1 ** steps).astype(m.dtype)
   v_hat = v / (1 - b2 ** steps).astype(v.dtype)
-  return jnp.where(read, m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p, 0), m, v, count
+  update = lr * jnp.where(read, m_hat / (jnp.sqrt(v_hat) + eps) + weight_decay * p, 0)
+  return jnp.where(read, (p + update).astype(p.dtype), p), m, v, count
 
 
-def lazy_adamw(b1, b2, eps, weight_decay) -> optax.GradientTransformationExtraArgs:
-  """AdamW over chapters for the bank group: `update(g, state, params, chapter_mask=...)`, `chapter_mask`
-  bool [banks, chapters] (the padded chapter axis) marking the chapters this update moves.
+class LazyBankState(NamedTuple):
+  """The optimizer state of `bank_optimizer=lazy_adam | smf`: the other groups' (`rest`), the bank's lazy
+  Adam state, and the updates taken (`count`: the schedule's step, as optax.scale_by_schedule counts)."""
+  rest: optax.OptState
+  bank: LazyAdamState
+  count: jax.Array
 
-  A marked chapter takes one AdamW step: its moments absorb its gradient, its bias correction uses its own
-  count of marked updates (a chapter read for the first time at update 500 is corrected as at step 1), and
-  decoupled weight decay applies. An unmarked chapter keeps its value, moments and count bit for bit: its
-  weight decay is skipped, not caught up later, because catching up exactly needs the LR of every skipped
-  update (torch SparseAdam and TF LazyAdam skip it too). The caller's scale (the schedule LR) follows.
 
-  Step 1 of the sparse bank update: the semantics, computed as a masked elementwise update over the whole
-  bank (jnp.where), so it costs what dense AdamW costs. Gathering and scattering only the marked chapters
-  (with a sparse gradient) is the later step; the mask also serves any other choice of chapters to train.
+def split_bank(params):
+  """(the bank as a one-leaf tree {"bank": {"memory": ...}} (paths under it stay `bank/memory`), the rest);
+  nnx.merge_state(rest, bank) joins them again."""
+  return params.split(nnx.PathContains("bank"), ...)
+
+
+def without_bank(params):
+  return split_bank(params)[1]
+
+
+class LazyBankOptimizer(NamedTuple):
+  """AdamW over chapters for the bank, optax AdamW for the other groups (`bank_optimizer=lazy_adam | smf`).
+
+  An update moves the chapters of a `read` mask, bool [banks, chapters] (the padded chapter axis; see
+  `chapters_read` and `smf_chapters`). A marked chapter takes one AdamW step: its moments absorb its
+  gradient, its bias correction uses its own count of marked updates (a chapter read for the first time at
+  update 500 is corrected as at step 1), and decoupled weight decay applies. An unmarked chapter keeps its
+  value, moments and count bit for bit: its weight decay is skipped, not caught up later, because catching
+  up exactly needs the LR of every skipped update (torch SparseAdam and TF LazyAdam skip it too).
+
+  The bank lives apart from the optax chain so that its gradient can be sparse (`SparseRows` per bank):
+  then the update gathers the named rows of the bank and its state, steps them and scatters them back,
+  costing O(chapters read), not O(bank). A dense bank gradient (the chapter-sharded bank; smf) takes the same
+  step as a masked elementwise update over the whole bank. Clipping is by the global norm of the whole
+  gradient, the bank's included, with optax.clip_by_global_norm's formula (`apply`).
   """
-  def init_fn(params):
-    counts = jax.tree.map(_chapter_counts, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return LazyAdamState(count=counts, mu=optax.tree.zeros_like(params), nu=optax.tree.zeros_like(params))
+  rest: optax.GradientTransformation
+  bank_lr: callable  # update count -> signed bank LR
+  clip_norm: float
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
 
-  def update_fn(updates, state, params, *, chapter_mask):
-    grads, treedef = jax.tree.flatten(updates)
-    counts, counts_def = jax.tree.flatten(state.count)
-    out = [_lazy_adamw_leaf(g, m, v, n, p, chapter_mask, b1, b2, eps, weight_decay) for g, m, v, n, p in
-           zip(grads, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), counts, jax.tree.leaves(params))]
-    new, m, v, n = zip(*out)
-    return treedef.unflatten(new), LazyAdamState(count=counts_def.unflatten(n), mu=treedef.unflatten(m),
-                                                 nu=treedef.unflatten(v))
+  def init(self, params) -> LazyBankState:
+    bank, rest = split_bank(params)
+    counts = jax.tree.map(_chapter_counts, bank, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return LazyBankState(rest=self.rest.init(rest),
+                         bank=LazyAdamState(count=counts, mu=optax.tree.zeros_like(bank),
+                                            nu=optax.tree.zeros_like(bank)),
+                         count=jnp.zeros((), jnp.int32))
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def global_norm(self, rest_grads, bank_grad):
+    """The norm of the whole gradient: `bank_grad` a dense [banks, chapters, ...] array or a SparseRows per
+    bank (the chapters absent from it have zero gradient)."""
+    parts = [bank_grad] if not isinstance(bank_grad, (list, tuple)) else [r.values for r in bank_grad]
+    return optax.global_norm((rest_grads, parts))
+
+  def apply(self, params, state, rest_grads, bank_grad, read, grad_norm, ok):
+    """One update -> (params, state); when not `ok` (non-finite), both as they were."""
+    if self.clip_norm > 0:  # optax.clip_by_global_norm, over the whole gradient
+      clip = lambda g: jnp.where(grad_norm < self.clip_norm, g, (g / grad_norm.astype(g.dtype)) * self.clip_norm)  # noqa: E731
+      rest_grads = jax.tree.map(clip, rest_grads)
+      bank_grad = ([r._replace(values=clip(r.values)) for r in bank_grad] if isinstance(bank_grad, (list, tuple))
+                   else clip(bank_grad))
+    tree, rest = split_bank(params)
+    updates, rest_state = self.rest.update(rest_grads, state.rest, rest)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    rest, rest_state = jax.tree.map(keep, (optax.apply_updates(rest, updates), rest_state), (rest, state.rest))
+    lr = self.bank_lr(state.count)
+    hyper = (self.b1, self.b2, self.eps, self.weight_decay)
+    (p,), treedef = jax.tree.flatten(tree)
+    (n,), (m,), (v,) = (jax.tree.leaves(x) for x in state.bank)
+    if isinstance(bank_grad, (list, tuple)):
+      p, m, v, n = _sparse_step(bank_grad, p, m, v, n, read, ok, lr, hyper)
+    else:
+      new = lazy_adamw_rows(bank_grad, m, v, n, p, read, lr, *hyper)
+      p, m, v, n = (keep(a, b) for a, b in zip(new, (p, m, v, n)))
+    bank = LazyAdamState(*(jax.tree.unflatten(jax.tree.structure(x), [y]) for x, y in zip(state.bank, (n, m, v))))
+    params = nnx.merge_state(rest, treedef.unflatten([p]))
+    return params, LazyBankState(rest_state, bank, state.count + ok.astype(state.count.dtype))
+
+
+def _sparse_step(rows, p, m, v, n, read, ok, lr, hyper):
+  """`lazy_adamw_rows` on the named rows of each bank: gather, step, scatter back (slots naming chapter C
+  read nothing and write nothing). Moments and counts in host memory (`train.bank_state_memory=pinned_host`)
+  are read and written there, row by row (`_host_take`, `_host_put`)."""
+  host = _in_host_memory(m)
+  for b, r in enumerate(rows):
+    take = lambda x, fill=0: x[b].take(r.ids, axis=0, mode="fill", fill_value=fill)  # noqa: E731
+    if host:
+      index, real = _host_index(b, r.ids, p.shape[1])
+      state = [jax.device_put(_host_take(x, index), jax.memory.Space.Device) for x in (m, v, n)]
+      state = [jnp.where(_rows_mask(real, x), x, jnp.zeros_like(x)) for x in state]
+    else:
+      state = [take(m), take(v), take(n)]
+    old = (take(p), *state)
+    new = lazy_adamw_rows(r.values, old[1], old[2], old[3], old[0], take(read, False), lr, *hyper)
+    new = [jnp.where(ok, a, o) for a, o in zip(new, old)]
+    p = p.at[b, r.ids].set(new[0], mode="drop")
+    if host:  # the empty slots write slot 0's row (so every write to that row carries the same value)
+      m, v, n = (_host_put(x, index, jax.device_put(jnp.where(_rows_mask(real, y), y, y[:1]), jax.memory.Space.Host))
+                 for x, y in zip((m, v, n), new[1:]))
+    else:
+      m, v, n = (x.at[b, r.ids].set(y, mode="drop") for x, y in zip((m, v, n), new[1:]))
+  return p, m, v, n
+
+
+def _in_host_memory(x):
+  aval = jax.typeof(x)
+  return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+def _rows_mask(real, x):
+  return real.reshape(real.shape + (1,) * (x.ndim - 1))
+
+
+def _host_index(bank, ids, chapters):
+  """[K, 2] (bank, chapter) pairs in bounds (empty slots name slot 0's chapter), in host memory, and which
+  slots are real. Host computation takes no device constants, so the index is finished on the device."""
+  real = ids < chapters
+  ids = jnp.where(real, ids, jnp.minimum(ids[0], chapters - 1))
+  index = jnp.stack([jnp.full_like(ids, bank), ids], axis=1)
+  return jax.device_put(index, jax.memory.Space.Host), real
+
+
+def _host_take(x, index):
+  """x[index[:, 0], index[:, 1]] computed where x lives (host memory); `index` in bounds."""
+  dims = jax.lax.GatherDimensionNumbers(offset_dims=tuple(range(1, x.ndim - 1)), collapsed_slice_dims=(0, 1),
+                                        start_index_map=(0, 1))
+
+  @functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+  def take(x, index):
+    return jax.lax.gather(x, index, dims, (1, 1) + x.shape[2:], mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  return take(x, index)
+
+
+def _host_put(x, index, rows):
+  """x with rows written at index[:, 0], index[:, 1], computed in host memory; `index` in bounds, a repeated
+  index written with one value."""
+  dims = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(1, x.ndim - 1)),
+                                         inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1))
+
+  @functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+  def put(x, index, rows):
+    return jax.lax.scatter(x, index, rows, dims, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  return put(x, index, rows)
 
 
 def chapters_read(load, bank_ids, num_shared, chapters):
@@ -156,10 +286,10 @@ def smf_chapters(read, bank_ids, idf, top_t, chapters):
   return jnp.zeros((banks, chapters), bool).at[jnp.arange(banks)[:, None], top].set(True)
 
 
-def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
-  """The full update rule; `freeze_bank` drops the bank from the optimizer (no Adam state, no update);
-  `bank_optimizer=lazy_adam` / `smf` needs `tx.update(..., chapter_mask=chapters_read(...) / smf_chapters(...))`: optax's chain and
-  multi_transform hand extra arguments to every group, and the groups other than lazy_adamw ignore them."""
+def make_optimizer(t, params):
+  """The full update rule: an optax chain (clipping, then the groups), or for `bank_optimizer=lazy_adam | smf`
+  a `LazyBankOptimizer` (the bank apart, see there). `freeze_bank` drops the bank from the optimizer (no
+  Adam state, no update)."""
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
 
@@ -170,13 +300,18 @@ def make_optimizer(t, params) -> optax.GradientTransformationExtraArgs:
   transforms = {g: group_tx(lrs[g], *adamw) for g in GROUPS}
   if t.freeze_bank:
     transforms["bank"] = optax.set_to_zero()
-  elif t.bank_optimizer in ("lazy_adam", "smf"):
-    transforms["bank"] = group_tx(lrs["bank"], lazy_adamw(t.b1, t.b2, t.eps, t.weight_decay))
+  lazy = t.bank_optimizer in ("lazy_adam", "smf") and not t.freeze_bank
+  if lazy:
+    params, transforms = without_bank(params), {g: tx for g, tx in transforms.items() if g != "bank"}
   labels = group_labels(params)
   if "fixed" in jax.tree.leaves(labels):  # the aux-free balance bias: no gradient step, no weight decay
     transforms["fixed"] = optax.set_to_zero()
+  groups = optax.multi_transform(transforms, labels)
+  if lazy:
+    return LazyBankOptimizer(groups, lambda s: -lrs["bank"] * lam(s), t.clip_norm, t.b1, t.b2, t.eps,
+                             t.weight_decay)
   chain = [optax.clip_by_global_norm(t.clip_norm)] if t.clip_norm > 0 else []
-  return optax.chain(*chain, optax.multi_transform(transforms, labels))
+  return optax.chain(*chain, groups)
 
 
 def current_lrs(t, update_count) -> dict[str, float]:

@@ -29,12 +29,12 @@ from absl import flags
 from flax import nnx
 
 import moc_jax
-from moc_jax import flops, sharding
+from moc_jax import flops, optim, sharding
 from moc_jax.errors import ConfigError
 from moc_jax.losses import lm_loss, next_token_ce
 from moc_jax.state import build_state
 from moc_jax.train.peaks import cpu_model
-from moc_jax.train.step import jit_train_step
+from moc_jax.train.step import bank_delta_shape, jit_train_step
 
 
 def environment() -> dict:
@@ -180,20 +180,40 @@ class Trainer:
     return self._loss(self.state["params"], self.batch)
 
   def time_optimizer(self, n: int, warmup: int = 1) -> list[float]:
-    """Seconds of the optimizer alone (tx.update + apply_updates over every parameter, AdamW on the
-    whole bank included), on gradient-sized inputs, state donated as in the step."""
+    """Seconds of the optimizer alone, on gradient-sized inputs, state donated as in the step: tx.update +
+    apply_updates over every parameter (AdamW on the whole bank included); with `bank_optimizer=lazy_adam`,
+    the bank's rows as the step reads them (the first K chapters of each bank, K as in the step)."""
     if self._update is None:
-      def update(grads, opt_state, params):
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-      self._update = jax.jit(update, donate_argnums=(1, 2))
-      self._grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), self.state["params"])
+      self._update, self._grads = self._optimizer_update()
 
     def call():
       params, opt_state = self._update(self._grads, self.state["opt_state"], self.state["params"])
       self.state = {**self.state, "params": params, "opt_state": opt_state}
       return params
     return time_calls(call, n, warmup)
+
+
+  def _optimizer_update(self):
+    """(jitted (grads, opt_state, params) -> (params, opt_state), grads) of the step's update rule."""
+    params = self.state["params"]
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    if not isinstance(self.tx, optim.LazyBankOptimizer):
+      def update(grads, opt_state, params):
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+      return jax.jit(update, donate_argnums=(1, 2)), grads
+    micro = jax.tree.map(lambda x: x[:self.config.train.batch_size], self.batch)
+    _, k, *row = bank_delta_shape(self.graphdef, params, micro, self.config.memory.num_shared)
+    banks, chapters = params["bank"]["memory"].shape[:2]
+    ids = jnp.arange(k, dtype=jnp.int32)
+    rows = [optim.SparseRows(ids, jnp.full((k, *row), 1e-3, jnp.float32)) for _ in range(banks)]
+    read = jnp.zeros((banks, chapters), bool).at[:, :k].set(True)
+
+    def update(grads, opt_state, params):
+      rest, bank = grads
+      norm = self.tx.global_norm(rest, bank)
+      return self.tx.apply(params, opt_state, rest, bank, read, norm, jnp.isfinite(norm))
+    return jax.jit(update, donate_argnums=(1, 2)), (optim.without_bank(grads), rows)
 
 
 _TRAINERS: dict[str, Trainer] = {}

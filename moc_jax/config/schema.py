@@ -29,6 +29,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
 SCHEDULES = ("wsd", "cosine", "linear", "constant")
 BANK_OPTIMIZERS = ("dense", "lazy_adam", "smf")
+BANK_STATE_MEMORY = ("device", "pinned_host")
 DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the decay start, decay
 LAYOUTS = ("pack", "pad_truncate")
 PACK_BOUNDARIES = ("segment", "eos")
@@ -121,6 +122,9 @@ def base_config():
   # memory finetuning, lazy AdamW over the smf_top_t chapters the update reads most against a background (optim.py)
   t.bank_optimizer = "dense"
   t.smf_top_t = 8                # smf: chapters per bank each update moves
+  # lazy_adam: where the bank's optimizer state (moments, per-chapter counts) lives; pinned_host keeps it in host
+  # memory and moves only the rows an update reads (optim.LazyBankOptimizer)
+  t.bank_state_memory = "device"
   t.smf_background = config_dict.placeholder(str)  # smf: background counts; None -> <init_from>/bank_background.json
   t.weight_decay = 0.1
   t.b1, t.b2, t.eps = 0.9, 0.95, 1e-8

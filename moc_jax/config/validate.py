@@ -5,12 +5,14 @@ is allocated or anything compiles. Model code reads fields, never re-checks them
 """
 from __future__ import annotations
 
+import jax
+
 from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
-from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
+from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
                                    LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES,
                                    SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
-from moc_jax.sharding.mesh import validate_mesh
+from moc_jax.sharding.mesh import shards, validate_mesh
 
 
 def _fail(field, problem, fix):
@@ -152,6 +154,20 @@ def _validate_bank_optimizer(c):
   memory; smf needs a top-t within the bank and background counts to rank against."""
   t = c.train
   _enum(c, "train.bank_optimizer", BANK_OPTIMIZERS)
+  _enum(c, "train.bank_state_memory", BANK_STATE_MEMORY)
+  if t.bank_state_memory != "device" and t.bank_optimizer != "lazy_adam":
+    _fail("train.bank_state_memory", f"{t.bank_state_memory!r} with train.bank_optimizer={t.bank_optimizer!r}: only "
+          "lazy_adam's update reads the bank's optimizer state row by row", "set train.bank_optimizer='lazy_adam', "
+          "or leave train.bank_state_memory='device'")
+  if t.bank_state_memory != "device":
+    if shards(c, "chapters") > 1:
+      _fail("train.bank_state_memory", f"{t.bank_state_memory!r} with the bank's chapters split {shards(c, 'chapters')} "
+            "ways: each device then updates its own chapters whole, on the device", "leave "
+            "train.bank_state_memory='device', or map the logical axis `chapters` to no mesh axis of size > 1")
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if t.bank_state_memory not in kinds:
+      _fail("train.bank_state_memory", f"{t.bank_state_memory!r}: this {jax.default_backend()} backend has no such "
+            f"memory (it has {sorted(kinds)})", "leave train.bank_state_memory='device'")
   if t.bank_optimizer == "dense":
     return
   if t.freeze_bank:

@@ -22,6 +22,8 @@ Cached decoding (`MemoryLayer.decode`) routes by `memory.decode_routing`, which 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -56,6 +58,36 @@ class ChapterBank(nnx.Module):
   def read(self):
     """The banks as the memory layers read them (`quantize.QuantizedChapterBank` returns codes)."""
     return self.memory[...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BankRows:
+  """A memory layer's bank in a train step with a sparse bank gradient (`train.bank_optimizer=lazy_adam`).
+
+  `bank` [C, T, dm] is read but not differentiated; `delta` [K, T, dm] is zeros and is. The layer gathers the
+  K distinct chapters it reads (`rows_in_use`) and adds `delta` to them, so d loss / d delta is the bank's
+  gradient on exactly those chapters: the backward pass never builds a [C, T, dm] gradient, and the bank
+  can grow without the step growing. K is fixed before tracing (the chapter ids the layer can name, plus
+  the shared chapters, at most C).
+  """
+  bank: jax.Array
+  delta: jax.Array
+
+
+def rows_in_use(bank, ids, num_shared):
+  """(bank or its rows in use, `ids` indexing them, the rows' chapter ids [K] or None).
+
+  A plain bank is returned as is. A `BankRows` becomes the sorted distinct chapters of `ids` and of the
+  shared chapters (always slots 0..s-1), plus `delta`; slots past the distinct chapters name chapter C
+  (none: zero rows, never indexed, their updates dropped)."""
+  if not isinstance(bank, BankRows):
+    return bank, ids, None
+  c, k = bank.bank.shape[0], bank.delta.shape[0]
+  flat = jnp.concatenate([jnp.arange(num_shared, dtype=ids.dtype), ids.reshape(-1)])
+  used, inverse = jnp.unique(flat, size=k, fill_value=c, return_inverse=True)
+  rows = bank.bank.take(used, axis=0, mode="fill", fill_value=0) + bank.delta.astype(bank.bank.dtype)
+  return rows, inverse.reshape(-1)[num_shared:].reshape(ids.shape).astype(ids.dtype), used
 
 
 def normalize_tokens(x, kind, eps):
@@ -146,7 +178,10 @@ class MemoryLayer(nnx.Module):
     bank [C, T, dm] -> (tokens [B, (s+k)*T, dm], stats)."""
     routed_ids, routed_w, stats = self.decide(pooled)
     chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
-    sel = read_chapters(bank, chapters, self.sharded_read)  # [B, s+k, T, dm]
+    bank, slots, rows = rows_in_use(bank, chapters, self.num_shared)
+    if rows is not None:
+      stats["rows"] = rows
+    sel = read_chapters(bank, slots, self.sharded_read)  # [B, s+k, T, dm]
     sel = normalize_tokens(sel.astype(jnp.float32), self.token_norm, self.token_norm_eps)
     sel = sel * weights[:, :, None, None]
     stats.update(chapters=chapters, weights=weights)
@@ -202,22 +237,28 @@ class MemoryLayer(nnx.Module):
     """segment / token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
     routed_ids, routed_w, stats = self.decide(pooled)
     q = self.attn.queries(self.norm(h))
+    token = routing == "token"  # shared chapters: their own attention, weight 1; routed: one softmax each
+    if token:
+      chapters, weights = routed_ids, routed_w
+    else:
+      chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
+    bank, slots, rows = rows_in_use(bank, chapters, self.num_shared)
+    if rows is not None:
+      stats["rows"] = rows
 
     def read(ids, logit_scale, value_scale, combine):
       k, v, ids = self.keys_values_in_use(bank, ids)
       slots = (per_position(x, routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
       return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
 
-    if routing == "token":  # shared chapters: their own attention, weight 1; routed: one softmax each
-      out = read(routed_ids, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
+    if token:
+      out = read(slots, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
       if self.num_shared:
         shared = normalize_tokens(dequantize(bank[:self.num_shared]), self.token_norm, self.token_norm_eps)
         ks, vs = self.attn.keys_values(jnp.broadcast_to(shared.reshape(1, -1, shared.shape[-1]),
                                                         (q.shape[0], shared.shape[0] * shared.shape[1], shared.shape[-1])))
         out = out + attention(q, ks, vs).reshape(out.shape)
-      chapters, weights = routed_ids, routed_w
     else:
-      chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
-      out = read(chapters, weights, weights, "joint")
+      out = read(slots, weights, weights, "joint")
     stats.update(chapters=chapters, weights=weights)
     return self.attn.output(out, h.dtype), stats

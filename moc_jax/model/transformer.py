@@ -14,7 +14,7 @@ from flax import nnx
 
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
-from moc_jax.model.memory import ChapterBank, MemoryLayer
+from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
 from moc_jax.sharding import constrain, padded_chapters
 
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -155,18 +155,23 @@ class Transformer(nnx.Module):
       self.layers = Group(cfg, p.period, p.memory_offsets, rngs)
     self.final_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
 
-  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
+  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False,
+               bank_deltas=None):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
     `positions` restart RoPE per document. `sequence` routing pools over the row (MoC-PT); `segment`, `prefix`
-    and `chunk` pool within each document (`memory.routing`)."""
-    h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train)
+    and `chunk` pool within each document (`memory.routing`). `bank_deltas` [n_mem, K, T, dm] (zeros): memory
+    layer i reads its bank through `BankRows` with delta i, and aux gains `rows` [n_mem, K], the chapters
+    whose gradient d loss / d bank_deltas holds."""
+    h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train,
+                           bank_deltas=bank_deltas)
     return self.logits(h), aux
 
   def logits(self, h):
     """[B, L, V] float32 logits of final features (the tied head)."""
     return constrain(self.embed.attend(h), "batch", None, "vocab")
 
-  def features(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False):
+  def features(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False,
+               bank_deltas=None):
     """(final-normed features [B, L, d], aux): the model up to the head, for losses that never hold
     all logits at once."""
     del train  # sequence routing and dropout-free blocks behave the same; the loss decides on aux
@@ -179,7 +184,7 @@ class Transformer(nnx.Module):
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
       mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    h, stats = self._trunk(input_ids, positions, mask, valid, segment_ids)
+    h, stats = self._trunk(input_ids, positions, mask, valid, segment_ids, bank_deltas)
     return self.final_norm(h), self._aux(stats)
 
   def forward_cached(self, cache, input_ids, positions, mask, valid, index):
@@ -198,13 +203,20 @@ class Transformer(nnx.Module):
     h = constrain(self.embed(input_ids), "batch", None, None)
     return h, (self.bank.read() if self.bank is not None else None)
 
-  def _trunk(self, input_ids, positions, mask, valid, segments):
+  def _trunk(self, input_ids, positions, mask, valid, segments, bank_deltas=None):
     """Embedding and layers -> (h, router stats stacked over the memory layers, or None)."""
     h, banks = self._embed(input_ids)
     if self.plan.scanned:
-      return self._scan(h, banks, lambda group, h, bank, _: _first(
-          group(h, positions, mask, valid, segments, bank, (0,))))
-    h, stats = self.layers(h, positions, mask, valid, segments, banks, self.bank_ids)
+      if bank_deltas is None:
+        return self._scan(h, banks, lambda group, h, bank, _: _first(
+            group(h, positions, mask, valid, segments, bank, (0,))))
+      return self._scan(h, banks, lambda group, h, bank, delta: _first(
+          group(h, positions, mask, valid, segments, [BankRows(bank[0], delta)], (0,))), bank_deltas)
+    if bank_deltas is None:
+      h, stats = self.layers(h, positions, mask, valid, segments, banks, self.bank_ids)
+    else:  # memory layer i reads its bank through delta i
+      rows = [BankRows(banks[b], delta) for b, delta in zip(self.bank_ids, bank_deltas)]
+      h, stats = self.layers(h, positions, mask, valid, segments, rows, tuple(range(len(rows))))
     return h, (_stack(stats) if stats else None)
 
   def _scan(self, h, banks, run, per_group=None):

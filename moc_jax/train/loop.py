@@ -7,6 +7,7 @@ same losses as one that never stopped (same config and seed, CPU).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from moc_jax import data as data_lib
 from moc_jax import bank_background, flops, optim, sharding
 from moc_jax.config import bank_ids, routing_statement
 from moc_jax.data.tokenizers import model_tokenizer
-from moc_jax.errors import CheckpointError, CorruptCheckpointError, TrainingError
+from moc_jax.errors import CheckpointError, ConfigError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
 from moc_jax.state import build_state, micro_batch_config
 from moc_jax.train import peaks
@@ -106,6 +107,8 @@ def _train(config, workdir, mesh, make_evaluator):
                                            process_count=jax.process_count())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=t.keep_checkpoints,
                                        padding=layout.padding)
+  if checkpointer.all_steps():
+    _check_same_optimizer(config, workdir)
   start, restored = _resume(checkpointer, abstract_state, data_iter)
   if restored is not None:
     state = {**restored, "nonfinite": jax.device_put(jnp.zeros((), jnp.int32), shardings["nonfinite"])}
@@ -182,6 +185,30 @@ def _resume(checkpointer, abstract_state, data_iter):
                           f"{', '.join(aside)}); train in a new --workdir, or move them out of that directory to "
                           "start this run again from step 0")
   return None, None
+
+
+def _bank_state_kind(train) -> tuple[str, str]:
+  """(the layout of the bank's optimizer state, the setting that gives it) for a config's `train` (a dict)."""
+  if train.get("freeze_bank"):
+    return "none", "freeze_bank=True"
+  kind = train.get("bank_optimizer", "dense")
+  return ("dense" if kind == "dense" else "lazy"), f"bank_optimizer={kind}"
+
+
+def _check_same_optimizer(config, workdir):
+  """A run resumes with a bank optimizer whose state has the layout it was trained with (dense AdamW's
+  moments; lazy Adam's moments and per-chapter counts, shared by lazy_adam and smf; none when frozen):
+  another is refused by name before Orbax compares arrays."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = _bank_state_kind(json.load(f).get("train", {}))
+  wanted = _bank_state_kind(config.train.to_dict())
+  if saved[0] != wanted[0]:
+    raise ConfigError(f"config.train.bank_optimizer: {workdir} was trained with train.{saved[1]} and this config has "
+                      f"train.{wanted[1]}, whose optimizer state differs; resume with --config.train.{saved[1]}, "
+                      f"or start a new --workdir with --config.train.init_from={workdir} (its weights, a fresh optimizer)")
 
 
 def _write_config(config, workdir):

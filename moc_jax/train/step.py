@@ -9,13 +9,18 @@ Router balancing under accumulation: a load-balance loss term is a function of o
 accumulated like the CE's. The aux-free bias moves once per update, on the routed selections summed over
 every micro-batch of the update, so the balance it targets is the update's, whatever grad_accum is.
 
-With `train.bank_optimizer=lazy_adam` the optimizer moves the chapters the update read: those routed
-selections (any decision of any micro-batch, every device's rows) and the shared chapters
-(`optim.chapters_read`), handed to `tx.update` as its `chapter_mask`. With `smf` the mask is the top-t
-chapters by TF-IDF (`optim.smf_chapters`): how much the update read each chapter (chapter weights summed over
-every micro-batch) against the background's `idf`.
+With `train.bank_optimizer=lazy_adam` the optimizer (`optim.LazyBankOptimizer`) moves the chapters the
+update read: those routed selections (any decision of any micro-batch, every device's rows) and the shared
+chapters (`optim.chapters_read`). The bank's gradient is then sparse: each memory layer reads its bank through
+zero deltas on the rows it uses (`model.memory.BankRows`), the step differentiates the deltas instead of the
+bank, and the update gathers, steps and scatters only those rows, so no bank-sized array is built or touched
+(a chapter-sharded bank takes the dense gradient and the masked update, each device over its own chapters).
+With `smf` the mask is the top-t chapters by TF-IDF (`optim.smf_chapters`): how much the update read each
+chapter (chapter weights summed over every micro-batch) against the background's `idf`; its gradient is dense.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,32 +29,33 @@ from flax import nnx
 
 from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
-from moc_jax.optim import chapters_read, smf_chapters
+from moc_jax.optim import LazyBankOptimizer, SparseRows, chapters_read, smf_chapters, split_bank, without_bank
 from moc_jax.model.routing import balance_bias_step, read_weight
 from moc_jax.router_health import STEP_STATS
+from moc_jax.sharding import current
 
 def _freeze_bank(params):
   return nnx.map_state(lambda path, v: jax.lax.stop_gradient(v) if "bank" in map(str, path) else v, params)
 
 
-def _move_balance_bias(graphdef, params, load, mem):
+def _move_balance_bias(graphdef, params, load, mem, ok):
   """Aux-free balancing after an update: every bias moves by rate * sign(mean load - load), the loads being
   the routed selections of the whole update (all micro-batches; all devices, as the step sees the global
-  batch)."""
+  batch); not at all when the update is skipped (`ok` false)."""
   model = nnx.merge(graphdef, params)
-  model.shift_balance_bias(balance_bias_step(load, mem.num_shared, mem.aux_free_rate))
+  step = balance_bias_step(load, mem.num_shared, mem.aux_free_rate)
+  model.shift_balance_bias(jnp.where(ok, step, jnp.zeros_like(step)))
   return nnx.state(model, nnx.Param)
 
 
-def _optimizer_args(config, params, stats, idf):
-  """Extra arguments of `tx.update`: the chapter mask for lazy_adam and smf, nothing for the dense bank."""
+def _chapter_mask(config, params, stats, idf):
+  """The chapters a lazy_adam / smf update moves, bool [banks, chapters] (padded for sharding: those
+  chapters are never read)."""
   t = config.train
-  if t.bank_optimizer == "dense":
-    return {}
-  chapters = params["bank"]["memory"].shape[1]  # padded for sharding: those chapters are never read
+  chapters = params["bank"]["memory"].shape[1]
   if t.bank_optimizer == "smf":
-    return {"chapter_mask": smf_chapters(stats["router_read"], bank_ids(config), idf, t.smf_top_t, chapters)}
-  return {"chapter_mask": chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)}
+    return smf_chapters(stats["router_read"], bank_ids(config), idf, t.smf_top_t, chapters)
+  return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
 
 
 def _decision_mask(chapters, batch):
@@ -60,19 +66,47 @@ def _decision_mask(chapters, batch):
   return mask
 
 
+def _sparse_bank(config):
+  """Whether this trace takes the bank's gradient sparse (`BankRows`): lazy_adam on a bank whose chapter axis
+  is not split over devices (a chapter-sharded bank takes the masked update, shard by shard)."""
+  return config.train.bank_optimizer == "lazy_adam" and not current("chapters")[0]
+
+
+def _rows_per_bank(rows, grads, ids_of, chapters):
+  """The update's sparse bank gradient, one `optim.SparseRows` per bank: the rows every memory layer and
+  micro-batch read ([accum, n_mem, K] chapter ids, [accum, n_mem, K, T, dm] their gradients; memory layer i
+  reads bank `ids_of[i]`), duplicates summed."""
+  out = []
+  for b in range(max(ids_of) + 1):
+    layers = [i for i, x in enumerate(ids_of) if x == b]
+    ids, values = rows[:, layers].reshape(-1), grads[:, layers].reshape(-1, *grads.shape[3:])
+    size = min(ids.size, chapters + 1)
+    used, inverse = jnp.unique(ids, size=size, fill_value=chapters, return_inverse=True)
+    out.append(SparseRows(used, jax.ops.segment_sum(values, inverse.reshape(-1), num_segments=size)))
+  return out
+
+
+def bank_delta_shape(graphdef, params, batch, num_shared):
+  """[n_mem, K, T, dm]: the zero deltas through which the memory layers read the bank on `batch` (one
+  micro-batch); K = the chapter ids a layer's decisions name, plus the shared chapters, at most the bank's."""
+  chapters = jax.eval_shape(lambda p, b: lm_loss(nnx.merge(graphdef, p), b, train=True)[1][1]["chapters"],
+                            params, batch)
+  table = params["bank"]["memory"]
+  k = min(table.shape[1], math.prod(chapters.shape[1:]) + num_shared)
+  return (chapters.shape[0], k) + tuple(table.shape[2:])
+
+
 def make_train_step(graphdef, tx, config, idf=None):
   """`idf` [banks, chapters]: the background of `bank_optimizer=smf` (bank_background.idf)."""
   accum, freeze = config.train.grad_accum, config.train.freeze_bank
   smf = config.train.bank_optimizer == "smf"
+  lazy = isinstance(tx, LazyBankOptimizer)
   if smf and idf is None:
     raise ValueError("bank_optimizer=smf needs the background's idf")
   mem = config.memory
 
-  def loss_fn(params, batch):
-    if freeze:
-      params = _freeze_bank(params)
-    loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True)
-    stats = {"ce": ce, "aux": aux["router_loss"]}
+  def step_stats(aux, batch):
+    stats = {"aux": aux["router_loss"]}
     if "entropy" in aux:
       stats["router_entropy"] = jnp.mean(aux["entropy"])
       stats["router_load"] = aux["load"] * accum  # summed over the update's micro-batches below
@@ -80,29 +114,73 @@ def make_train_step(graphdef, tx, config, idf=None):
       if smf:
         read = read_weight(aux["chapters"], aux["weights"], mem.num_chapters, _decision_mask(aux["chapters"], batch))
         stats["router_read"] = read * accum
-    return loss, stats
+    return stats
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  def loss_fn(params, batch):
+    if freeze:
+      params = _freeze_bank(params)
+    loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True)
+    return loss, {"ce": ce, **step_stats(aux, batch)}
+
+  def sparse_loss_fn(rest, deltas, bank, batch):
+    """The loss with the bank read through `deltas` -> (loss, (stats, the rows' chapter ids))."""
+    params = nnx.merge_state(rest, bank)
+    loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True, bank_deltas=deltas)
+    return loss, ({"ce": ce, **step_stats(aux, batch)}, aux["rows"])
+
+  def dense_grads(params, micro):
+    """Loss, stats and gradient, each the mean over the micro-batches."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def body(acc, mb):
+      return jax.tree.map(jnp.add, acc, grad_fn(params, mb)), None
+
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
+    ((loss, stats), grads), _ = jax.lax.scan(body, zero, micro)
+    return jax.tree.map(lambda x: x / accum, (loss, stats, grads))
+
+  def sparse_grads(params, micro):
+    """As dense_grads, with the bank's gradient as `SparseRows` per bank: no bank-sized array is built."""
+    bank, rest = split_bank(params)
+    first = jax.tree.map(lambda x: x[0], micro)
+    table = params["bank"]["memory"]
+    deltas = jnp.zeros(bank_delta_shape(graphdef, params, first, mem.num_shared), table.dtype)
+    grad_fn = jax.value_and_grad(sparse_loss_fn, argnums=(0, 1), has_aux=True)
+
+    def body(acc, mb):
+      (loss, (stats, rows)), (g_rest, g_deltas) = grad_fn(rest, deltas, bank, mb)
+      return jax.tree.map(jnp.add, acc, (loss, stats, g_rest)), (rows, g_deltas)
+
+    out = jax.eval_shape(grad_fn, rest, deltas, bank, first)
+    zero = jax.tree.map(jnp.zeros_like, (out[0][0], out[0][1][0], out[1][0]))
+    (loss, stats, g_rest), (rows, g_deltas) = jax.lax.scan(body, zero, micro)
+    loss, stats, g_rest = jax.tree.map(lambda x: x / accum, (loss, stats, g_rest))
+    return loss, stats, (g_rest, _rows_per_bank(rows, g_deltas / accum, bank_ids(config), table.shape[1]))
 
   def train_step(state, batch):
     params = state["params"]
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-
-    def body(acc, mb):
-      out = grad_fn(params, mb)
-      return jax.tree.map(jnp.add, acc, out), None
-
-    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
-    ((loss, stats), grads), _ = jax.lax.scan(body, zero, micro)
-    loss, stats, grads = jax.tree.map(lambda x: x / accum, (loss, stats, grads))
-    grad_norm = optax.global_norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state["opt_state"], params, **_optimizer_args(config, params, stats, idf))
-    new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+    if lazy:
+      if _sparse_bank(config):
+        loss, stats, (rest_grads, bank_grad) = sparse_grads(params, micro)
+      else:
+        loss, stats, grads = dense_grads(params, micro)
+        rest_grads, bank_grad = without_bank(grads), grads["bank"]["memory"][...]
+      grad_norm = tx.global_norm(rest_grads, bank_grad)
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      new_params, opt_state = tx.apply(params, state["opt_state"], rest_grads, bank_grad,
+                                       _chapter_mask(config, params, stats, idf), grad_norm, ok)
+      new = {"params": new_params, "opt_state": opt_state}
+    else:
+      loss, stats, grads = dense_grads(params, micro)
+      grad_norm = optax.global_norm(grads)
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      updates, opt_state = tx.update(grads, state["opt_state"], params)
+      new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+      old = {"params": params, "opt_state": state["opt_state"]}
+      new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     if mem.enabled and mem.load_balance == "aux_free" and "router_load" in stats:
-      new["params"] = _move_balance_bias(graphdef, new["params"], stats["router_load"], mem)
-    old = {"params": params, "opt_state": state["opt_state"]}
-    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+      new["params"] = _move_balance_bias(graphdef, new["params"], stats["router_load"], mem, ok)
     nonfinite = jnp.where(ok, 0, state["nonfinite"] + 1)
     new_state = {**state, **new, "step": state["step"] + 1, "nonfinite": nonfinite,
                  "skipped": state["skipped"] + (~ok).astype(jnp.int32)}

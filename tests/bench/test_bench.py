@@ -68,10 +68,12 @@ def test_iso_vanilla_baseline():
 
 @pytest.mark.slow
 def test_bank_scaling(capsys):
-  r = _run(bank_scaling, [f"--config={TINY}", "--batch_size=2", "--sizes=1040,2080", "--rounds=1",
-                          "--optimizer_reps=1", *SHORT], capsys)
-  assert [s["chapters"] for s in r["sizes"]] == [65, 130]
-  assert r["sizes"][1]["bank_params"] == 2 * r["sizes"][0]["bank_params"]
+  r = _run(bank_scaling, [f"--config={TINY}", "--batch_size=2", "--sizes=1040,2080", "--tokens_per_chapter=0",
+                          "--rounds=1", "--optimizer_reps=1", *SHORT], capsys)
+  assert [(s["chapters"], s["bank_optimizer"]) for s in r["sizes"]] == [
+      (65, "dense"), (65, "lazy_adam"), (130, "dense"), (130, "lazy_adam")]
+  assert r["sizes"][2]["bank_params"] == 2 * r["sizes"][0]["bank_params"]
+  assert set(r["growth"]) == {"dense", "lazy_adam"} and r["pass"] == (r["growth"]["lazy_adam"]["step_growth"] <= 1.1)
 
 
 def test_xla_vs_analytic(capsys):
@@ -110,6 +112,7 @@ def test_routed_attention(capsys):
     (train_mfu, ["--set", "model.remat"], "--set 'model.remat': expected KEY=VALUE"),
     (moc_vs_vanilla, ["--rounds", "2", "3"], "not a flag: 3"),
     (bank_scaling, ["--sizes=4096,big"], "flag --sizes=4096,big: invalid literal for int()"),
+    (bank_scaling, [f"--config={TINY}", "--optimizers=adam"], "flag --optimizers: 'adam' is not one of dense, lazy_adam"),
     (xla_vs_analytic, ["--no-scanned"], "Unknown command line flag 'no-scanned'"),
     (routed_attention, ["--variants=naive,fast"], "each variant is one of naive, sequence, token_xla, prefix_xla")])
 def test_bad_flags_are_one_error_line(capsys, module, argv, error):

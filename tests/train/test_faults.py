@@ -21,6 +21,7 @@ from moc_jax import main as main_lib
 from moc_jax import sharding
 from moc_jax import state as state_lib
 from moc_jax.errors import CorruptCheckpointError, TrainingError
+from moc_jax.train import loop as loop_lib
 from tests.train import train_utils as tu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -199,6 +200,21 @@ def test_a_refused_resume_leaves_the_workdir_as_it_was(data_dir, tmp_path):
     main_lib.train(other, str(tmp_path))
   assert not isinstance(info.value, CorruptCheckpointError)  # a config mismatch: nothing is set aside
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_resuming_with_another_bank_optimizer_is_refused_by_name(data_dir, tmp_path):
+  """A dense-AdamW MoC run resumed with lazy_adam: one ConfigError naming the setting the run was trained with
+  and the way out, the workdir as it was; smf after lazy_adam (the same state layout) is not refused."""
+  config = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(data_dir))
+  main_lib.train(config, str(tmp_path))
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  lazy = moc_jax.load_config("configs/moc.py:tiny", {**tu.overrides(data_dir), "train.bank_optimizer": "lazy_adam"})
+  want = (r"config\.train\.bank_optimizer: .* was trained with train\.bank_optimizer=dense and this config has "
+          r"train\.bank_optimizer=lazy_adam.*--config\.train\.bank_optimizer=dense.*--config\.train\.init_from=")
+  with pytest.raises(moc_jax.ConfigError, match=want):
+    main_lib.train(lazy, str(tmp_path))
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+  assert loop_lib._bank_state_kind({"bank_optimizer": "smf"})[0] == loop_lib._bank_state_kind(lazy.train.to_dict())[0]
 
 
 

@@ -31,8 +31,8 @@ B1, B2, EPS, WD = 0.9, 0.95, 1e-8, 0.1
 
 
 def lazy_state(opt_state) -> optim.LazyAdamState:
-  """The bank group's LazyAdamState inside make_optimizer's state (clip, then the group transforms)."""
-  return opt_state[-1].inner_states["bank"].inner_state[0]
+  """The bank's LazyAdamState inside a LazyBankOptimizer's state."""
+  return opt_state.bank
 
 
 def bank_leaf(tree):
@@ -59,29 +59,52 @@ def numpy_lazy_adamw(p, grads, masks, lr):
   return p, m, v, n
 
 
-def test_lazy_adamw_equals_float64_numpy_on_random_sparse_reads():
-  """Six updates of a [2, 7, 3, 4] bank under random masks; chapter (0, 0) is first read at update 5 (its
-  bias correction must be a first step's) and chapter (1, 6) never (it must not move)."""
+def rows_of(bank_grad, mask):
+  """The sparse form of a bank gradient that is zero outside `mask`: per bank the masked chapters, sorted,
+  then slots naming chapter C (nothing), C slots in all."""
+  c = mask.shape[1]
+  out = []
+  for b in range(mask.shape[0]):
+    ids = jnp.sort(jnp.where(mask[b], jnp.arange(c), c))
+    out.append(optim.SparseRows(ids, bank_grad[b].take(ids, axis=0, mode="fill", fill_value=0)))
+  return out
+
+
+def lazy_apply(tx, params, state, grads, mask, sparse):
+  """One LazyBankOptimizer update from a gradient tree: the bank's part dense (masked update) or as rows."""
+  bank_grad = grads["bank"]["memory"][...]
+  rest = optim.without_bank(grads)
+  bank_grad = rows_of(bank_grad, mask) if sparse else bank_grad
+  norm = tx.global_norm(rest, bank_grad)
+  return tx.apply(params, state, rest, bank_grad, jnp.asarray(mask), norm, jnp.isfinite(norm))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["masked", "rows"])
+def test_lazy_adamw_equals_float64_numpy_on_random_sparse_reads(sparse):
+  """Six updates of a [2, 7, 3, 4] bank under random masks (gradient zero outside them, as a real step's is);
+  chapter (0, 0) is first read at update 5 (its bias correction must be a first step's) and chapter (1, 6)
+  never (it must not move). The masked update and the gather/step/scatter of rows both."""
   rng = np.random.default_rng(0)
   steps, lr, shape = 6, 1e-2, (2, 7, 3, 4)
   p0 = rng.standard_normal(shape).astype(np.float32)
-  grads = rng.standard_normal((steps, *shape)).astype(np.float32)
   masks = rng.random((steps, 2, 7)) < 0.4
   masks[:4, 0, 0], masks[4, 0, 0], masks[:, 1, 6] = False, True, False
-  tx = optax.chain(optim.lazy_adamw(B1, B2, EPS, WD), optax.scale(-lr))
-  params = {"bank": {"memory": jnp.asarray(p0)}}
+  grads = rng.standard_normal((steps, *shape)).astype(np.float32) * masks[..., None, None]
+  tx = optim.LazyBankOptimizer(optax.sgd(0.0), lambda s: -lr, 0.0, B1, B2, EPS, WD)
+  params = nnx.State({"bank": {"memory": jnp.asarray(p0)}, "other": {"w": jnp.zeros(3)}})
   state = tx.init(params)
-  update = jax.jit(lambda g, s, p, mask: tx.update(g, s, p, chapter_mask=mask))
+  update = jax.jit(functools.partial(lazy_apply, tx, sparse=sparse))
   for g, mask in zip(grads, masks):
-    updates, state = update({"bank": {"memory": jnp.asarray(g)}}, state, params, jnp.asarray(mask))
-    params = optax.apply_updates(params, updates)
+    params, state = update(params, state, nnx.State({"bank": {"memory": g}, "other": {"w": np.zeros(3, np.float32)}}),
+                           mask)
   want_p, want_m, want_v, want_n = numpy_lazy_adamw(p0, grads, masks, lr)
-  lazy = state[0]
+  lazy = state.bank
   np.testing.assert_array_equal(bank_leaf(lazy.count), want_n)
   np.testing.assert_allclose(bank_leaf(lazy.mu), want_m, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(bank_leaf(lazy.nu), want_v, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(bank_leaf(params), want_p, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(bank_leaf(params)[1, 6], p0[1, 6])
+  np.testing.assert_allclose(bank_leaf(params["bank"]), want_p, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(bank_leaf(params["bank"])[1, 6], p0[1, 6])
+  assert int(state.count) == steps
 
 
 # --- inside make_optimizer on the tiny model ---------------------------------------------------------------
@@ -94,33 +117,44 @@ def tiny_optimizer(**overrides):
   return params, optim.make_optimizer(c.train, params)
 
 
-def random_grads(params, seed):
+def random_grads(params, seed, mask=None):
+  """Random gradients; with `mask` [banks, chapters] the bank's is zero outside it (as a real step's is)."""
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  grads = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  if mask is not None:
+    bank = grads["bank"]["memory"]
+    bank.set_value(bank[...] * jnp.asarray(mask)[..., None, None])
+  return grads
 
 
-def run_updates(params, tx, masks):
-  """Params and optimizer state after each update (random gradients; `chapter_mask` from `masks`)."""
+def run_updates(params, tx, masks, sparse=False):
+  """Params and optimizer state after each update (random gradients). A dense optax chain takes `None` masks;
+  a LazyBankOptimizer moves the chapters of each mask, from the bank's gradient as a dense array or as rows."""
   opt = tx.init(params)
-  update = jax.jit(lambda g, o, p, **kw: tx.update(g, o, p, **kw))
+  update = jax.jit(lambda g, o, p: tx.update(g, o, p))
+  lazy = jax.jit(functools.partial(lazy_apply, tx, sparse=sparse))
   history = []
   for i, mask in enumerate(masks):
-    kw = {} if mask is None else {"chapter_mask": jnp.asarray(mask)}
-    updates, opt = update(random_grads(params, i), opt, params, **kw)
-    params = optax.apply_updates(params, updates)
+    if mask is None:
+      updates, opt = update(random_grads(params, i), opt, params)
+      params = optax.apply_updates(params, updates)
+    else:
+      params, opt = lazy(params, opt, random_grads(params, i, mask), mask)
     history.append((params, opt))
   return history
 
 
-def test_every_chapter_read_every_update_equals_dense_adamw():
+@pytest.mark.parametrize("sparse", [False, True], ids=["masked", "rows"])
+def test_every_chapter_read_every_update_equals_dense_adamw(sparse):
   """With an all-true mask lazy Adam is AdamW: every parameter (the rest of the model too), the bank's
   moments, and counts equal to the number of updates."""
   params, dense_tx = tiny_optimizer()
   _, lazy_tx = tiny_optimizer(**{"train.bank_optimizer": "lazy_adam"})
   steps, chapters = 3, params["bank"]["memory"].shape[:2]
   dense, dense_opt = run_updates(params, dense_tx, [None] * steps)[-1]
-  lazy, lazy_opt = run_updates(params, lazy_tx, [np.ones(chapters, bool)] * steps)[-1]
+  lazy, lazy_opt = run_updates(params, lazy_tx, [np.ones(chapters, bool)] * steps, sparse)[-1]
+  assert jax.tree.structure(lazy) == jax.tree.structure(dense)
   for a, b in zip(jax.tree.leaves(lazy), jax.tree.leaves(dense)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
   adam = dense_opt[-1].inner_states["bank"].inner_state[0]
@@ -133,13 +167,15 @@ def test_every_chapter_read_every_update_equals_dense_adamw():
 
 def test_unread_chapters_keep_values_and_moments_bit_identical():
   """Each update, a chapter outside the mask keeps its value, moments and count bit for bit (weight decay
-  and clipping on), while every chapter inside it moves once the LR is nonzero."""
+  and clipping on), while every chapter inside it moves once the LR is nonzero; the rows form equals the masked
+  form to float32 rounding."""
   params, tx = tiny_optimizer(**{"train.bank_optimizer": "lazy_adam"})
   rng = np.random.default_rng(1)
   masks = rng.random((4, *params["bank"]["memory"].shape[:2])) < 0.3
   bank = bank_leaf(params["bank"])
   before = (bank, np.zeros_like(bank), np.zeros_like(bank), np.zeros(masks.shape[1:], np.int32))
-  for i, (p, opt) in enumerate(run_updates(params, tx, masks)):
+  masked = run_updates(params, tx, masks)
+  for i, (p, opt) in enumerate(run_updates(params, tx, masks, sparse=True)):
     state = lazy_state(opt)
     after = (bank_leaf(p["bank"]), bank_leaf(state.mu), bank_leaf(state.nu), bank_leaf(state.count))
     unread = ~masks[i]
@@ -148,13 +184,9 @@ def test_unread_chapters_keep_values_and_moments_bit_identical():
     np.testing.assert_array_equal(after[3] - before[3], masks[i])
     if i > 0:  # update 1 has LR 0
       assert np.all(np.any(after[0][masks[i]] != before[0][masks[i]], axis=(1, 2))), i
+    for a, b in zip(jax.tree.leaves((p, opt)), jax.tree.leaves(masked[i])):  # the norms sum in other orders
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
     before = after
-
-
-def test_lazy_adam_without_a_chapter_mask_is_refused():
-  params, tx = tiny_optimizer(**{"train.bank_optimizer": "lazy_adam"})
-  with pytest.raises(TypeError, match="chapter_mask"):
-    tx.update(random_grads(params, 0), tx.init(params), params)
 
 
 def test_chapters_read_marks_routed_shared_and_never_padded_chapters():
@@ -261,8 +293,8 @@ def test_the_bank_gradient_is_zero_outside_the_chapters_read(trained):
 
 def test_a_skipped_nonfinite_update_leaves_counts_and_moments_unchanged(trained, monkeypatch):
   real = step_lib.lm_loss
-  monkeypatch.setattr(step_lib, "lm_loss", lambda m, b, *, train: (lambda out: (jnp.nan * out[0], out[1]))(
-      real(m, b, train=train)))
+  monkeypatch.setattr(step_lib, "lm_loss", lambda m, b, *, train, **kw: (lambda out: (jnp.nan * out[0], out[1]))(
+      real(m, b, train=train, **kw)))
   config, layout = trained.config, trained.layout
   mesh = sharding.make_mesh(config, jax.devices()[:1])
   with sharding.activate(mesh, sharding.rules_of(config)):
