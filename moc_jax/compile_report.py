@@ -4,7 +4,8 @@ Nothing is allocated: the state and batch are ShapeDtypeStructs with their shard
 `--config.num_fake_devices=8` stands in for a pod slice, so the layout of a model too large for this
 machine can be checked before it meets one. The report is one JSON line:
   params_bytes / opt_state_bytes   per device, from the shardings
-  xla                              `memory_analysis()` of the compiled step (temporaries included)
+  xla                              `memory_analysis()` of the compiled step (temporaries included; host_*: the
+                                   arrays in host memory, e.g. train.bank_state_memory=pinned_host)
   bank                             padded shape, per-device shard shape and bytes, one full fp32 copy
   largest_all_gather               the biggest all-gather result in the optimized HLO (bytes, shape):
                                    proof that the bank is never gathered whole
@@ -70,7 +71,7 @@ def report(config) -> dict:
       "params_bytes": sharding.shard_bytes(layout.abstract["params"]),
       "opt_state_bytes": sharding.shard_bytes(layout.abstract["opt_state"]),
       "xla": {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias",
-                                                                  "generated_code")},
+                                                                  "generated_code", "host_argument", "host_temp")},
       "largest_all_gather": {"bytes": gather_bytes, "shape": list(gather_shape or ())},
       "flops_per_device": float(cost.get("flops", 0.0)),
   }

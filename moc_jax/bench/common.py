@@ -187,18 +187,20 @@ class Trainer:
       self._update, self._grads = self._optimizer_update()
 
     def call():
-      params, opt_state = self._update(self._grads, self.state["opt_state"], self.state["params"])
+      params, opt_state = self._update(self._grads, self.state["params"], self.state["opt_state"])
       self.state = {**self.state, "params": params, "opt_state": opt_state}
       return params
     return time_calls(call, n, warmup)
 
 
   def _optimizer_update(self):
-    """(jitted (grads, opt_state, params) -> (params, opt_state), grads) of the step's update rule."""
+    """(jitted (grads, params, opt_state) -> (params, opt_state), grads) of the step's update rule. The donated
+    inputs come in the outputs' order: JAX pairs donated buffers with outputs of the same shape in order, and the
+    bank and its two moments share one shape, so any other order makes XLA copy them around the update."""
     params = self.state["params"]
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     if not isinstance(self.tx, optim.LazyBankOptimizer):
-      def update(grads, opt_state, params):
+      def update(grads, params, opt_state):
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
       return jax.jit(update, donate_argnums=(1, 2)), grads
@@ -209,7 +211,7 @@ class Trainer:
     rows = [optim.SparseRows(ids, jnp.full((k, *row), 1e-3, jnp.float32)) for _ in range(banks)]
     read = jnp.zeros((banks, chapters), bool).at[:, :k].set(True)
 
-    def update(grads, opt_state, params):
+    def update(grads, params, opt_state):
       rest, bank = grads
       norm = self.tx.global_norm(rest, bank)
       return self.tx.apply(params, opt_state, rest, bank, read, norm, jnp.isfinite(norm))

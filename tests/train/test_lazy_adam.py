@@ -1,7 +1,8 @@
-"""`train.bank_optimizer=lazy_adam` (optim.lazy_adamw): AdamW over the chapters an update read.
+"""`train.bank_optimizer=lazy_adam` (optim.LazyBankOptimizer): AdamW over the chapters an update read.
 
-Against a float64 numpy lazy AdamW on random sparse masks; against dense AdamW when every chapter is read;
-unread chapters bit-identical; through the real jitted train step (the mask from the routing decisions,
+Against a float64 numpy lazy AdamW on random sparse masks and against dense AdamW when every chapter is read,
+both for the masked update (a dense bank gradient) and the row update (a sparse one); unread chapters
+bit-identical; through the real jitted train step (the mask from the routing decisions,
 counts per chapter, the gradient's support inside the mask, a skipped non-finite update); a checkpoint round
 trip; and a chapter-sharded bank on 4 fake devices in a fresh process (padded chapters never move).
 """
