@@ -36,8 +36,9 @@ def packed(config, seed):
   return rows
 
 
-@pytest.mark.parametrize("routing,sharing", [("sequence", "shared"), ("segment", "per_layer"), ("token", "shared"),
-                                             ("prefix", "per_layer"), ("chunk", "shared")])
+@pytest.mark.parametrize("routing,sharing", [  # the three read paths by default: per row, joint per position, moe
+    ("sequence", "shared"), ("prefix", "per_layer"), ("token", "shared"),
+    pytest.param("segment", "per_layer", marks=pytest.mark.slow), pytest.param("chunk", "shared", marks=pytest.mark.slow)])
 def test_rows_gradient_equals_the_dense_bank_gradient(routing, sharing):
   """Bank gradient via zero deltas on the rows each memory layer reads, scattered back, vs jax.grad of the
   bank (W_o not zero, so the bank has a gradient); shared sharing runs the layers under scan, per_layer (two
@@ -115,7 +116,7 @@ def _temp_bytes(chapters, overrides):
   return compiled.memory_analysis().temp_size_in_bytes, int(np.prod(bank.shape)) * 4
 
 
-@pytest.mark.parametrize("routing", ["sequence", "token"])
+@pytest.mark.parametrize("routing", ["sequence", pytest.param("token", marks=pytest.mark.slow)])
 def test_the_lazy_steps_temporaries_do_not_grow_with_the_bank(routing):
   """From 1,025 to 4,097 chapters of 64 x 64 float32 (a 16.8 MB bank to 67 MB) at the same read, the compiled
   lazy_adam step's temporaries grow by under a fifth of the bank's growth (what grows is the router, O(chapters
