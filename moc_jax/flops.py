@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from moc_jax.config import bank_ids, memory_layers
+from moc_jax.config import bank_ids, memory_layers, router_factors
 
 SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
 MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
@@ -136,14 +136,19 @@ def _router(c, b, l):
   """Router and its statistics. Sequence routing: one decision per row (as MoC-PT counts it). Per-position routing
   (not in MoC-PT's estimator; our count): one decision per position (token, prefix) or per chunk,
   pooled by a cumulative masked sum (prefix, chunk: a sum and a count per position, a divide per
-  decision)."""
+  decision). `memory.router=product` (our count): a linear map to s + a + b logits and the a x b outer sum."""
   mem, d = c.memory, c.model.d_model
   if mem.routing == "sequence":
     decisions, pool = b, mean_pool(b, l, d)
   else:
     decisions = b * (l if mem.routing != "chunk" else -(-l // mem.routing_chunk))
     pool = Flops(0) if mem.routing == "token" else Flops(b * l * (d + 1) + decisions * d)
-  return ({"pool": pool, "linear": linear(decisions, d, mem.num_chapters),
+  if mem.router == "linear":
+    projection = {"linear": linear(decisions, d, mem.num_chapters)}
+  else:  # shared, row and column logits, and each grid cell's row + column (cells past the last chapter too)
+    a, b_ = router_factors(c)
+    projection = {"linear": linear(decisions, d, mem.num_shared + a + b_), "grid": Flops(decisions * a * b_)}
+  return ({"pool": pool, **projection,
            "softmax": softmax(decisions * mem.num_chapters), "top_k": top_k(decisions, mem.num_chapters, mem.top_k)},
           router_aux(decisions, mem.num_chapters, mem.top_k))
 

@@ -5,6 +5,7 @@ FLOPs counting, conversion and analysis.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from moc_jax.config.schema import CAUSAL_ROUTINGS
 
@@ -26,6 +27,15 @@ def routing_statement(c) -> str:
             "future ones included)")
   return ("memory.routing=sequence: NOT causal (each row's chapters are chosen from all its tokens, "
           "future ones included; MoC-PT's paper mode)")
+
+
+def router_factors(c) -> tuple[int, int]:
+  """`memory.router=product`: the a x b grid of the R routable chapters, a = ceil(sqrt(R)), b = ceil(R / a), so
+  a + b (the router's outputs) is within one of 2*sqrt(R). Routable chapter r sits at row r // b, column r % b; the
+  a*b - R cells past the last chapter name none."""
+  routable = c.memory.num_chapters - c.memory.num_shared
+  a = math.isqrt(routable - 1) + 1 if routable > 1 else 1
+  return a, -(-routable // a)
 
 
 def memory_layers(c) -> tuple[int, ...]:

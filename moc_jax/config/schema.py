@@ -24,6 +24,7 @@ CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend o
 DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
 SHARDED_READS = ("auto", "ring", "scatter")
 LOAD_BALANCES = ("mocpt", "routed", "aux_free")
+ROUTERS = ("linear", "product")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
@@ -106,6 +107,10 @@ def base_config():
   # over the routable chapters only (1 when uniform) | aux_free: a per-chapter bias on the top-k choice moved by
   # aux_free_rate each update (DeepSeek-V3), plus the `routed` term weighted by load_balance_coef (0: the bias alone)
   mem.load_balance = "mocpt"
+  # linear: one logit per chapter from a [d, C] matrix (MoC-PT's; its weights and update grow with the bank) |
+  # product: the routable chapters on an a x b grid (a = ceil(sqrt(R))), a chapter's logit the sum of its row's and
+  # its column's ([d, a] and [d, b] matrices, PKM's product keys), the shared chapters' from their own [d, s]
+  mem.router = "linear"
   mem.load_balance_coef = 0.01   # 0 disables the term
   mem.aux_free_rate = 0.01       # aux_free: the bias step γ per update
   mem.z_loss_coef = 0.001
@@ -152,7 +157,7 @@ def base_config():
       ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
       ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
       ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"),
-      ("chapter_logits", None))
+      ("chapter_logits", None), ("chapter_factors", None))
   c.num_fake_devices = 0         # > 0: that many CPU devices (compile reports, mesh tests on one host)
 
   c.data = data_config()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax
 
-from moc_jax.config.plan import bank_ids, layer_plan, memory_layers
+from moc_jax.config.plan import bank_ids, layer_plan, memory_layers, router_factors
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
-                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTINGS, SCHEDULES,
+                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTERS, ROUTINGS, SCHEDULES,
                                    SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
@@ -83,6 +83,7 @@ def _validate_memory(c):
   _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
   _enum(c, "memory.sharded_read", SHARDED_READS)
   _enum(c, "memory.load_balance", LOAD_BALANCES)
+  _enum(c, "memory.router", ROUTERS)
   _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
   for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
             "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk", "routing_window"):
@@ -202,5 +203,7 @@ def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
     dims["chapter_tokens"] = [("memory.num_tokens", mem.num_tokens // mem.num_chapters)]
     dims["bank_embed"] = [("memory.dim", mem.dim or m.d_model)]
     dims["chapter_logits"] = [("memory.num_chapters", mem.num_chapters)]
+    if mem.router == "product":
+      dims["chapter_factors"] = [("memory.num_chapters", n) for n in router_factors(c)]
     dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
   return dims

@@ -62,6 +62,9 @@ class Entry:
 
 def param_map(config) -> dict[str, Entry]:
   """{MoC-PT state_dict key: Entry} for every parameter of the equivalent model (buffers excluded)."""
+  if config.memory.enabled and config.memory.router != "linear":
+    raise ConfigError(f"config.memory.router: {config.memory.router!r} has no MoC-PT counterpart (MoC-PT's router "
+                      "is one linear map over every chapter) — use memory.router='linear'")
   plan = layer_plan(config)
   entries = {"embed_tokens.weight": Entry(("embed", "embedding"), None, "same"),
              "norm.weight": Entry(("final_norm", "scale"), None, "same")}

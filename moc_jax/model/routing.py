@@ -7,10 +7,13 @@ renormalised over the selected set, shared chapters first with raw weight 1 and 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moc_jax.config import router_factors
 from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.layers import dense
 
@@ -247,16 +250,40 @@ def balance_bias_step(load, num_shared, rate):
 
 
 class Router(nnx.Module):
-  """One linear router per memory layer over all C chapters (bias included, as MoC-PT), and the aux-free
-  balance bias when `memory.load_balance=aux_free`."""
+  """One router per memory layer: logits [..., C] over all chapters (`memory.router`), and the aux-free balance
+  bias when `memory.load_balance=aux_free`.
+
+  `linear` (MoC-PT's): one [d, C] matrix with bias. `product`: the R routable chapters on an a x b grid
+  (`config.router_factors`); a chapter's logit is its row's logit plus its column's, from [d, a] and [d, b]
+  matrices with biases (PKM's product keys), and the shared chapters' come from their own [d, s] matrix. The
+  router then holds (s + a + b)·d weights instead of C·d, so its gradient and update stay near 2·sqrt(C)·d
+  however large the bank grows; the logits of every chapter are still formed (an outer sum, no matmul), so the
+  top-k is exact and every routing statistic is the linear router's. Each half starts at init_std / sqrt(2), so
+  the summed logits start at the linear router's scale.
+  """
 
   def __init__(self, cfg, rngs):
-    self.proj = dense(cfg.model.d_model, cfg.memory.num_chapters, cfg.model.init_std, ("embed", "chapter_logits"),
-                      jnp.dtype(cfg.model.compute_dtype), rngs, bias=True)
-    self.balance_bias = (BalanceBias(jnp.zeros((cfg.memory.num_chapters,)), out_sharding=("chapter_logits",),
+    mem, d, dt = cfg.memory, cfg.model.d_model, jnp.dtype(cfg.model.compute_dtype)
+    std = cfg.model.init_std
+    self.routable = mem.num_chapters - mem.num_shared
+    if mem.router == "linear":
+      self.proj = dense(d, mem.num_chapters, std, ("embed", "chapter_logits"), dt, rngs, bias=True)
+    else:
+      a, b = router_factors(cfg)
+      self.shared = (dense(d, mem.num_shared, std, ("embed", "chapter_logits"), dt, rngs, bias=True)
+                     if mem.num_shared else None)
+      self.rows = dense(d, a, std / math.sqrt(2), ("embed", "chapter_factors"), dt, rngs, bias=True)
+      self.cols = dense(d, b, std / math.sqrt(2), ("embed", "chapter_factors"), dt, rngs, bias=True)
+    self.balance_bias = (BalanceBias(jnp.zeros((mem.num_chapters,)), out_sharding=("chapter_logits",),
                                      eager_sharding=False)
-                         if cfg.memory.load_balance == "aux_free" else None)
+                         if mem.load_balance == "aux_free" else None)
 
   def __call__(self, pooled):
     """Logits [..., C] (float32) of routing inputs [..., d] (see `routing_input`)."""
-    return self.proj(pooled).astype(jnp.float32)
+    if hasattr(self, "proj"):
+      return self.proj(pooled).astype(jnp.float32)
+    rows, cols = self.rows(pooled).astype(jnp.float32), self.cols(pooled).astype(jnp.float32)
+    grid = (rows[..., :, None] + cols[..., None, :]).reshape(rows.shape[:-1] + (-1,))[..., :self.routable]
+    if self.shared is None:
+      return grid
+    return jnp.concatenate([self.shared(pooled).astype(jnp.float32), grid], axis=-1)
