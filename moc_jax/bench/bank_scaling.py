@@ -10,10 +10,10 @@ gradient and AdamW; with `product` (--routers) 2·sqrt(chapters)·d weights, and
 chapter (an outer sum, the top-k and the routing statistics).
 Goal: the lazy step at the largest bank <= 1.1x the lazy step at the smallest (per router).
 The optimizer update alone is timed per (size, router, optimizer) to show how much of the growth it is.
-Every trainer is compiled up front, and each optimizer's steps over the sizes and routers are interleaved, so
-they share background load. The two optimizers take turns, not steps: on a 2-core CPU a lazy step that follows a
-dense step at the 4.2M bank (5 GB of bank, moments and gradient touched) takes 0.3 s longer than one that
-follows another lazy step, whatever its own bank size.
+Every trainer is compiled up front and their steps interleaved, so they share background load, with an untimed
+pause (--settle_s) before each: on a 2-core CPU a step that follows a dense step at the 4.2M bank takes 0.3 s
+longer than one that follows itself, whatever its own bank size (common.interleave). A step's own trailing work
+is then charged to no one: the dense steps at the largest banks are under-reported by up to that much.
 
 Defaults: the tiny backbone (d = 64) with 32-token chapters, 8 sequences per micro-batch; the 4.2M-token
 bank then holds 268M float32 values (1.07 GB; the dense trainer needs 4 such arrays and a gradient), which
@@ -50,12 +50,13 @@ flags.DEFINE_list("routers", list(ROUTERS), "memory.router values to time", flag
 flags.DEFINE_integer("tokens_per_chapter", TOKENS_PER_CHAPTER, "T; 0: the config's", flag_values=_FLAGS)
 flags.DEFINE_integer("rounds", 4, "rounds of interleaved steps", flag_values=_FLAGS)
 flags.DEFINE_integer("steps_per_round", 1, "timed steps of each size per round", flag_values=_FLAGS)
+flags.DEFINE_float("settle_s", 1.0, "untimed pause before each trainer's steps (see above)", flag_values=_FLAGS)
 flags.DEFINE_integer("optimizer_reps", 3, "timed optimizer updates per size", flag_values=_FLAGS)
 
 
 def run(config="configs/moc.py:tiny", batch_size=8, overrides=None, sizes=SIZES, optimizers=OPTIMIZERS,
         tokens_per_chapter=TOKENS_PER_CHAPTER, rounds=4, steps_per_round=1, warmup=1, optimizer_reps=3,
-        routers=ROUTERS) -> dict:
+        routers=ROUTERS, settle_s=1.0) -> dict:
   base, _ = common.load(config, batch_size, overrides)
   per_chapter = tokens_per_chapter or base.memory.num_tokens // base.memory.num_chapters
   for flag, values, known in (("optimizers", optimizers, OPTIMIZERS), ("routers", routers, ALL_ROUTERS)):
@@ -78,9 +79,7 @@ def run(config="configs/moc.py:tiny", batch_size=8, overrides=None, sizes=SIZES,
                                                    "memory.router": router, "train.bank_optimizer": opt})
         trainers[size, router, opt] = common.trainer(cfg)
         trainers[size, router, opt].run(warmup)
-  times = {}
-  for opt in optimizers:  # a dense step at a large bank slows whatever step follows it (see the docstring)
-    times.update(common.interleave({k: t for k, t in trainers.items() if k[2] == opt}, rounds, steps_per_round))
+  times = common.interleave(trainers, rounds, steps_per_round, settle_s)
   rows = []
   for (size, router, opt), trainer in trainers.items():
     rows.append({"bank_tokens": size, "router": router, "bank_optimizer": opt,
@@ -119,7 +118,7 @@ def main(argv=None) -> dict:
   args = cli.parse_command(_FLAGS, argv)
   return common.emit(run(args.config, args.batch_size, common.parse_overrides(args.set), tuple(args.sizes),
                          tuple(args.optimizers), args.tokens_per_chapter, args.rounds, args.steps_per_round,
-                         optimizer_reps=args.optimizer_reps, routers=tuple(args.routers)))
+                         optimizer_reps=args.optimizer_reps, routers=tuple(args.routers), settle_s=args.settle_s))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from tests.asserts import assert_same_bytes
 DEFAULT_RULES = (
     ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
     ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
-    ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"), ("chapter_logits", None))
+    ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"), ("chapter_logits", None),
+    ("chapter_factors", None))
 
 
 def config(mesh=None, rules=None, devices=0, chapters=None):
