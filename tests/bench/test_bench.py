@@ -78,6 +78,7 @@ def test_bank_scaling(capsys):
   assert set(growth) == {"dense", "lazy_adam"} and r["pass"] == {"linear": growth["lazy_adam"]["step_growth"] <= 1.1}
 
 
+@pytest.mark.slow
 def test_bank_scaling_routers(capsys):
   """--routers: each (size, router) pair; the product router's weights grow as sqrt(chapters): 1 + 8 + 8 and
   1 + 12 + 11 outputs of d + 1 inputs at 65 and 130 chapters."""

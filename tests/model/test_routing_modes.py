@@ -76,6 +76,7 @@ def _models(routing, seed, **extra):
   return models
 
 
+@pytest.mark.slow
 def test_prefix_position_t_reads_what_sequence_routing_reads_on_the_first_t_tokens():
   """With one memory layer, the last: at t, prefix routing = the sequence model run on tokens[:t+1].
   (With an earlier memory layer the positions before t would differ too: they routed on less.)"""

@@ -97,6 +97,7 @@ def test_meshes_give_the_single_device_loss_and_gradients(meshes):
     assert by["data2_memory4"]["bank_shard"] == [1, 17, 16, 64]
 
 
+@pytest.mark.slow
 def test_per_position_routing_on_a_sharded_bank_gives_the_single_device_loss_and_gradients():
   """Expert parallelism over chapters: joint reads merged by log-sum-exp (prefix), per-slot reads
   summed (token), each against one device with the same routing."""
@@ -108,6 +109,7 @@ def test_per_position_routing_on_a_sharded_bank_gives_the_single_device_loss_and
     assert r["worst_grad_rel_err"] <= 1e-5, r
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_on_one_mesh_restores_on_others_and_one_device(tmp_path):
   rows = run_json([WORKER, "restore", str(tmp_path / "ck")])
   assert [r["mesh"] for r in rows] == ["memory8", "fsdp8", "memory2_fsdp2_tensor2", "one_device"]

@@ -70,6 +70,7 @@ def _finish(procs, timeout=TIMEOUT):
                                  f"log tail:\n{''.join(open(log).readlines()[-40:])}" for name, code, log in failed)
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path, subtests):
   """A single-process reference run, then a 2-process run into one shared workdir (Orbax needs every process
   to write the same checkpoint directory). The reference runs first: it also builds the small corpus. One test

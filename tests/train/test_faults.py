@@ -202,6 +202,7 @@ def test_a_refused_resume_leaves_the_workdir_as_it_was(data_dir, tmp_path):
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_resuming_with_another_bank_optimizer_is_refused_by_name(data_dir, tmp_path):
   """A dense-AdamW MoC run resumed with lazy_adam: one ConfigError naming the setting the run was trained with
   and the way out, the workdir as it was; smf after lazy_adam (the same state layout) is not refused."""
@@ -218,6 +219,7 @@ def test_resuming_with_another_bank_optimizer_is_refused_by_name(data_dir, tmp_p
 
 
 
+@pytest.mark.slow
 def test_nonfinite_updates_are_skipped_counted_and_never_saved(data_dir, tmp_path, monkeypatch):
   """Poison the loss on a data-dependent subset of steps; those updates must leave the state as it was."""
   from moc_jax.train import step as step_lib

@@ -361,6 +361,7 @@ def sharded_worker():
                     "chapters_read": int(np.sum(bank_leaf(lazy.count) > 0))}), flush=True)
 
 
+@pytest.mark.slow
 def test_a_chapter_sharded_bank_never_moves_its_padded_chapters():
   """65 chapters on 4 chapter shards (68 stored): after three updates the 3 padded chapters, their moments
   and counts are still zero, the counts shard with the chapters, and the user view equals one device's."""

@@ -155,6 +155,7 @@ def _three_updates(overrides, tmp_path=None):
   return state, restored
 
 
+@pytest.mark.slow
 def test_bank_state_in_host_memory_takes_the_same_updates(tmp_path):
   """train.bank_state_memory=pinned_host: the bank's moments and counts live in host memory, the update reads
   and writes their rows there, and three updates give the bytes of the on-device state; a checkpoint restores

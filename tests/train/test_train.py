@@ -44,6 +44,7 @@ def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   assert again["step"] == 2 and again["ce"] == pytest.approx(evals[-1]["ce"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_init_from_loads_weights_with_fresh_optimizer_and_step(data_dir, tmp_path):
   """The first update of the new run has lr 0 (λ(0) = 0), so its step-1 params equal the source's weights."""
   src = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(data_dir))
