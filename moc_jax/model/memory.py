@@ -32,8 +32,9 @@ from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
 from moc_jax.model.quantize import dequantize
-from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, mix_weights, per_position,
-                                   resolve_decode_routing, route, router_losses, routing_input, with_shared)
+from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, grid_route, grid_router_losses,
+                                   mix_weights, per_position, resolve_decode_routing, route, router_losses,
+                                   routing_input, with_shared)
 from moc_jax.sharding import current
 
 
@@ -165,10 +166,16 @@ class MemoryLayer(nnx.Module):
   def decide(self, pooled):
     """Router logits of routing inputs `pooled` [..., d] -> (routed ids, routed weights) per decision,
     and the router statistics."""
-    logits = self.router(pooled)
     bias = self.router.balance_bias
-    probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k, None if bias is None else bias[...])
-    stats = router_losses(logits, probs, routed_ids, self.num_shared, self.load_balance)
+    bias = None if bias is None else bias[...]
+    if self.router.factored:
+      grid = self.router.grid(pooled)
+      routed_ids, routed_w = grid_route(grid, self.top_k, bias)
+      stats = grid_router_losses(grid, routed_ids, self.num_shared, self.load_balance)
+    else:
+      logits = self.router(pooled)
+      probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k, bias)
+      stats = router_losses(logits, probs, routed_ids, self.num_shared, self.load_balance)
     if bias is not None:
       stats["bias_spread"] = jnp.max(bias[self.num_shared:]) - jnp.min(bias[self.num_shared:])
     return routed_ids, routed_w, stats

@@ -8,6 +8,7 @@ renormalised over the selected set, shared chapters first with raw weight 1 and 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,114 @@ def router_losses(logits, probs, routed_ids, num_shared, load_balance):
       "load": load,
       "shared_mass": jnp.mean(jnp.sum(probs[:, :num_shared], axis=-1)),
       "routed_entropy": _mean_entropy(routed_probs),
+  }
+
+
+class GridLogits(NamedTuple):
+  """The product router's logits, never expanded: routable chapter s + i*b + j (0 <= i*b + j < routable) has logit
+  rows[..., i] + cols[..., j]; shared chapter c < s has shared[..., c]. Everything the train step needs from all C
+  logits — the exact top-k, the normalisers and every router statistic — follows from the factors in
+  O(a + b) per decision (`grid_route`, `grid_router_losses`), so the step does not grow with the bank."""
+  shared: jax.Array  # [..., s] float32 (s may be 0)
+  rows: jax.Array    # [..., a] float32
+  cols: jax.Array    # [..., b] float32
+  routable: int
+
+  def dense(self):
+    """The logits [..., C] of every chapter (what `Router.__call__` returns)."""
+    grid = (self.rows[..., :, None] + self.cols[..., None, :]).reshape(self.rows.shape[:-1] + (-1,))
+    return jnp.concatenate([self.shared, grid[..., :self.routable]], axis=-1)
+
+  @property
+  def last_row(self) -> int:
+    """Cells of the grid's last row that hold a chapter (the other rows are full)."""
+    return self.routable - (self.rows.shape[-1] - 1) * self.cols.shape[-1]
+
+
+def grid_route(g: GridLogits, top_k, bias=None):
+  """`route` on grid logits -> (routed ids [..., k] in chapter space, routed weights [..., k]), bit for bit what
+  `route(g.dense(), ...)` returns, from O(k^2) candidates: a chapter in the top k lies in its row's top k and its
+  column's, among rows with the same cells (the full rows; the last row alone), so the top-k rows of the full ones
+  times the top-k columns, plus the last row's top-k cells, hold the answer. Ties go to the lower chapter, as in
+  `lax.top_k`. With the aux-free bias (one value per chapter, no factors) the choice needs the expanded logits."""
+  s, a, b = g.shared.shape[-1], g.rows.shape[-1], g.cols.shape[-1]
+  if bias is not None:
+    _, ids, weights = route(g.dense(), s, top_k, bias)
+    return ids, weights
+  full, last = a - 1, g.last_row
+  vals, ids = [], []
+  if full:
+    row_v, row_i = jax.lax.top_k(g.rows[..., :full], min(top_k, full))
+    col_v, col_i = jax.lax.top_k(g.cols, min(top_k, b))
+    vals.append((row_v[..., :, None] + col_v[..., None, :]).reshape(row_v.shape[:-1] + (-1,)))
+    ids.append((row_i[..., :, None] * b + col_i[..., None, :]).reshape(row_i.shape[:-1] + (-1,)))
+  last_v, last_i = jax.lax.top_k(g.cols[..., :last], min(top_k, last))
+  vals.append(g.rows[..., full:] + last_v)
+  ids.append(full * b + last_i)
+  vals, ids = jax.lax.stop_gradient(jnp.concatenate(vals, -1)), jnp.concatenate(ids, -1)
+  _, top_idx = jax.lax.sort((-vals, ids), dimension=vals.ndim - 1, num_keys=2)  # by value, then by chapter
+  top_idx = top_idx[..., :top_k]
+  top_logits = (jnp.take_along_axis(g.rows, top_idx // b, axis=-1)
+                + jnp.take_along_axis(g.cols, top_idx % b, axis=-1))
+  return top_idx + s, jax.nn.softmax(top_logits, axis=-1)
+
+
+def _grid_moments(g: GridLogits):
+  """Per decision: the routable log-normaliser, the mean logit under the routable softmax, and the factors of
+  that softmax's cells, q[i, j] = row_w[i] * col_w[j] (each <= 1 where a chapter is; used by matmuls)."""
+  a, last = g.rows.shape[-1], g.last_row
+  full_r = g.rows[..., :a - 1]
+  lse_c, lse_c_last = jax.nn.logsumexp(g.cols, axis=-1), jax.nn.logsumexp(g.cols[..., :last], axis=-1)
+  row_mass = jnp.concatenate([full_r + lse_c[..., None], g.rows[..., a - 1:] + lse_c_last[..., None]], -1)
+  lse = jax.nn.logsumexp(row_mass, axis=-1)
+  lse_full_r = jax.nn.logsumexp(full_r, axis=-1)  # -inf with one row
+  in_last = jnp.arange(g.cols.shape[-1]) < last
+  col_rows = jnp.where(in_last, jnp.logaddexp(lse_full_r, g.rows[..., a - 1])[..., None], lse_full_r[..., None])
+  mean_logit = (jnp.sum(jnp.exp(row_mass - lse[..., None]) * g.rows, -1)
+                + jnp.sum(jnp.exp(g.cols + col_rows - lse[..., None]) * g.cols, -1))
+  top = jax.lax.stop_gradient(jnp.max(g.rows, axis=-1, keepdims=True))
+  return lse, mean_logit, jnp.exp(g.rows - top), jnp.exp(g.cols + top - lse[..., None])
+
+
+def _grid_mean(row_w, col_w, scale, routable):
+  """mean over decisions of scale * row_w[i] * col_w[j] at every routable chapter -> [routable] (one matmul)."""
+  n = row_w.shape[0]
+  cells = jnp.matmul(row_w.T, col_w * scale[:, None], precision=jax.lax.Precision.HIGHEST) / n
+  return cells.reshape(-1)[:routable]
+
+
+def grid_router_losses(g: GridLogits, routed_ids, num_shared, load_balance):
+  """`router_losses` of grid logits, to float32 rounding, in O(decisions x (s + a + b)) plus two
+  [a, decisions] x [decisions, b] matmuls for the per-chapter means (MoC-PT's balance P, the MSE aux):
+  log-normalisers from row and column log-sum-exps, entropies as log-normaliser minus mean logit."""
+  s = num_shared
+  n = math.prod(g.rows.shape[:-1])
+  shared, rows, cols = (x.reshape(n, x.shape[-1]) for x in (g.shared, g.rows, g.cols))
+  g = GridLogits(shared, rows, cols, g.routable)
+  routed_ids = routed_ids.reshape(-1, routed_ids.shape[-1])
+  c = s + g.routable
+  lse_r, mean_r, row_w, col_w = _grid_moments(g)
+  lse = jnp.logaddexp(lse_r, jax.nn.logsumexp(shared, axis=-1)) if s else lse_r
+  shared_p = jnp.exp(shared - lse[:, None])
+  routed_mass = jnp.exp(lse_r - lse)
+  load = jnp.zeros((c,), jnp.float32).at[routed_ids.reshape(-1)].add(1.0)
+  if load_balance == "mocpt":
+    mean_p = _grid_mean(row_w, col_w, routed_mass, g.routable)  # shared chapters have no load
+    balance = c * jnp.sum(load[s:] / routed_ids.shape[0] * mean_p)
+  else:
+    share = load[s:] / jnp.maximum(jnp.sum(load[s:]), 1.0)
+    balance = g.routable * jnp.sum(share * _grid_mean(row_w, col_w, jnp.ones_like(lse), g.routable))
+  mean_sq = jnp.concatenate([jnp.mean(jnp.square(shared_p), axis=0),
+                             _grid_mean(jnp.square(row_w), jnp.square(col_w), jnp.square(routed_mass), g.routable)])
+  entropy = lse - jnp.sum(shared_p * shared, axis=-1) - routed_mass * mean_r
+  return {
+      "load_balance": balance,
+      "z_loss": jnp.mean(jnp.square(lse)),
+      "mse_aux": jnp.mean(jnp.square(mean_sq - 1.0 / c)),
+      "entropy": jnp.mean(entropy),
+      "load": load,
+      "shared_mass": jnp.mean(jnp.sum(shared_p, axis=-1)),
+      "routed_entropy": jnp.mean(lse_r - mean_r),
   }
 
 
@@ -259,7 +368,7 @@ class Router(nnx.Module):
   router then holds (s + a + b)·d weights instead of C·d, so its gradient and update stay near 2·sqrt(C)·d
   however large the bank grows; the logits of every chapter are still formed (an outer sum, no matmul), so the
   top-k is exact and every routing statistic is the linear router's. Each half starts at init_std / sqrt(2), so
-  the summed logits start at the linear router's scale.
+  the summed logits start at the linear router's scale. The train step never expands them (`GridLogits`).
   """
 
   def __init__(self, cfg, rngs):
@@ -278,12 +387,19 @@ class Router(nnx.Module):
                                      eager_sharding=False)
                          if mem.load_balance == "aux_free" else None)
 
+  @property
+  def factored(self) -> bool:
+    return not hasattr(self, "proj")
+
   def __call__(self, pooled):
     """Logits [..., C] (float32) of routing inputs [..., d] (see `routing_input`)."""
-    if hasattr(self, "proj"):
+    if not self.factored:
       return self.proj(pooled).astype(jnp.float32)
+    return self.grid(pooled).dense()
+
+  def grid(self, pooled):
+    """The product router's logits as `GridLogits` (float32), unexpanded."""
     rows, cols = self.rows(pooled).astype(jnp.float32), self.cols(pooled).astype(jnp.float32)
-    grid = (rows[..., :, None] + cols[..., None, :]).reshape(rows.shape[:-1] + (-1,))[..., :self.routable]
-    if self.shared is None:
-      return grid
-    return jnp.concatenate([self.shared(pooled).astype(jnp.float32), grid], axis=-1)
+    shared = (jnp.zeros(rows.shape[:-1] + (0,), jnp.float32) if self.shared is None
+              else self.shared(pooled).astype(jnp.float32))
+    return GridLogits(shared, rows, cols, self.routable)

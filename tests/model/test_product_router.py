@@ -1,6 +1,7 @@
 """`memory.router=product` against float64 numpy restatements and hand counts: its logits and gradients, its
-grid, its parameter and FLOPs counts, the config's refusal of an unknown router and the MoC-PT import's refusal
-of a router MoC-PT does not have."""
+grid, the factored top-k and statistics the train step uses instead of the expanded logits, its parameter and
+FLOPs counts, the config's refusal of an unknown router and the MoC-PT import's refusal of a router MoC-PT does
+not have."""
 import math
 
 import jax
@@ -14,7 +15,7 @@ from moc_jax import flops
 from moc_jax.config import router_factors
 from moc_jax.convert.mocpt import param_map
 from moc_jax.errors import ConfigError
-from moc_jax.model.routing import Router
+from moc_jax.model.routing import GridLogits, Router, grid_route, grid_router_losses, route, router_losses
 
 TINY = "configs/moc.py:tiny"
 
@@ -81,6 +82,91 @@ def test_gradients_match_numpy():
   np.testing.assert_allclose(g["rows"]["bias"][...], wg.sum((0, 2)), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(g["cols"]["bias"][...], wg.sum((0, 1)), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(g["shared"]["kernel"][...], x64.T @ w[:, :1], rtol=1e-5, atol=1e-5)
+
+
+# --- the factored path: top-k and statistics without expanding the grid ------------------------------
+
+GRIDS = [(65, 1, 8), (64, 0, 8), (7, 2, 3), (1, 1, 1), (2, 1, 2), (30, 1, 30), (131071, 1, 8)]  # (R, s, k)
+
+
+def _grid(routable, shared, decisions, rng, ties=False):
+  a = math.isqrt(routable - 1) + 1
+  b = -(-routable // a)
+  draw = ((lambda n: rng.integers(-2, 3, (decisions, n))) if ties else (lambda n: rng.standard_normal((decisions, n))))
+  return GridLogits(*(jnp.asarray(draw(n), jnp.float32) for n in (shared, a, b)), routable)
+
+
+@pytest.mark.parametrize("routable, shared, k", GRIDS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_grid_top_k_is_the_expanded_top_k_bit_for_bit(routable, shared, k, ties):
+  """Full rows, a short last row, one row, k = every chapter; integer logits tie often, and a tie goes to the lower
+  chapter in both. With the aux-free bias the choice is made on the expanded logits."""
+  rng = np.random.default_rng(routable + k)
+  g = _grid(routable, shared, 5, rng, ties)
+  _, want_ids, want_w = route(g.dense(), shared, k)
+  ids, w = grid_route(g, k)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_array_equal(w, want_w)
+  bias = jnp.asarray(rng.standard_normal(shared + routable), jnp.float32)
+  for got, want in zip(grid_route(g, k, bias), route(g.dense(), shared, k, bias)[1:]):
+    np.testing.assert_array_equal(got, want)
+
+
+def _numpy_stats(z, ids, s, load_balance):
+  """MoC-PT's router statistics restated in float64 from the expanded logits z [N, C]."""
+  def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+  entropy = lambda p: np.mean(-np.sum(p * np.log(p), -1))
+  n, c = z.shape
+  p, q = softmax(z), softmax(z[:, s:])
+  load = np.bincount(ids.reshape(-1), minlength=c).astype(np.float64)
+  if load_balance == "mocpt":
+    balance = c * np.sum(load / n * p.mean(0))
+  else:
+    balance = (c - s) * np.sum(load[s:] / load[s:].sum() * q.mean(0))
+  lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+  return {"load_balance": balance, "z_loss": np.mean(lse ** 2), "mse_aux": np.mean(((p ** 2).mean(0) - 1 / c) ** 2),
+          "entropy": entropy(p), "load": load, "shared_mass": p[:, :s].sum(-1).mean(), "routed_entropy": entropy(q)}
+
+
+@pytest.mark.parametrize("routable, shared, k", GRIDS[:-1])
+@pytest.mark.parametrize("load_balance", ["mocpt", "routed"])
+def test_grid_statistics_match_numpy(routable, shared, k, load_balance):
+  """Balance, z-loss, MSE aux, entropies and shared mass from row and column log-sum-exps and two matmuls equal the
+  float64 statistics of the expanded logits."""
+  rng = np.random.default_rng(routable)
+  g = _grid(routable, shared, 6, rng)
+  g = g._replace(rows=3 * g.rows)  # a confident router: probabilities far from uniform
+  ids, _ = grid_route(g, k)
+  got = grid_router_losses(g, ids, shared, load_balance)
+  want = _numpy_stats(np.asarray(g.dense(), np.float64), np.asarray(ids), shared, load_balance)
+  assert set(got) == set(want)
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.parametrize("routable, shared, k, load_balance", [(65, 1, 8, "mocpt"), (64, 0, 8, "routed"),
+                                                                (7, 2, 3, "mocpt"), (1000, 1, 8, "routed")])
+def test_grid_gradients_equal_the_expanded_paths(routable, shared, k, load_balance):
+  """The router's gradient through the factored path (losses and routed weights) equals the gradient through
+  `route` and `router_losses` on the expanded logits."""
+  rng = np.random.default_rng(k)
+  parts = tuple(_grid(routable, shared, 5, rng))[:3]
+  v = jnp.asarray(rng.standard_normal((5, k)), jnp.float32)
+
+  def objective(parts, factored):
+    g = GridLogits(*parts, routable)
+    if factored:
+      ids, w = grid_route(g, k)
+      st = grid_router_losses(g, ids, shared, load_balance)
+    else:
+      z = g.dense()
+      probs, ids, w = route(z, shared, k)
+      st = router_losses(z, probs, ids, shared, load_balance)
+    return st["load_balance"] + 3 * st["z_loss"] + 50 * st["mse_aux"] + jnp.sum(w * v)
+  for got, want in zip(jax.grad(objective)(parts, True), jax.grad(objective)(parts, False)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want), initial=1.0)))
 
 
 def test_parameter_count_by_hand():
