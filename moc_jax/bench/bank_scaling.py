@@ -6,8 +6,8 @@ output width) grows. With `train.bank_optimizer=dense` (MoC-PT's) what grows wit
 (a scatter-add into a bank-sized zero array), global-norm clipping and AdamW over every bank row, read or
 not. With `lazy_adam` the bank's gradient and update cover the rows read (docs/performance.md#p4), and
 what still grows is the router: with `memory.router=linear` its weights [d, chapters] per memory layer, their
-gradient and AdamW; with `product` (--routers) 2·sqrt(chapters)·d weights, and the per-decision logits over every
-chapter (an outer sum, the top-k and the routing statistics).
+gradient and AdamW and its logits over every chapter; with `product` (--routers) 2·sqrt(chapters)·d weights,
+whose chapter logits the step never forms (model.routing.GridLogits).
 Goal: the lazy step at the largest bank <= 1.1x the lazy step at the smallest (per router).
 The optimizer update alone is timed per (size, router, optimizer) to show how much of the growth it is.
 Every trainer is compiled up front and their steps interleaved, so they share background load, with an untimed
@@ -17,7 +17,8 @@ is then charged to no one: the dense steps at the largest banks are under-report
 
 Defaults: the tiny backbone (d = 64) with 32-token chapters, 8 sequences per micro-batch; the 4.2M-token
 bank then holds 268M float32 values (1.07 GB; the dense trainer needs 4 such arrays and a gradient), which
-fits beside the other sizes in ~12 GB per router.
+fits beside the other sizes in ~12 GB per router and optimizer: on a 24 GB machine time the optimizers (or the
+routers) in separate commands.
 
 `python -m moc_jax.bench.bank_scaling [--config=configs/moc.py:tiny] [--sizes 4096,...] [--optimizers dense,lazy_adam]
 [--routers linear,product]`
