@@ -149,7 +149,9 @@ def grid_route(g: GridLogits, top_k, bias=None):
 
 def _grid_moments(g: GridLogits):
   """Per decision: the routable log-normaliser, the mean logit under the routable softmax, and the factors of
-  that softmax's cells, q[i, j] = row_w[i] * col_w[j] (each <= 1 where a chapter is; used by matmuls)."""
+  that softmax's cells, q[i, j] = row_w[i] * col_w[j] for the matmuls of `_grid_mean`. Both factors are shifted
+  by the row maximum (outside the gradient: the shift cancels in every product), so row_w <= 1 and col_w
+  stays near q's scale instead of overflowing with large logits."""
   a, last = g.rows.shape[-1], g.last_row
   full_r = g.rows[..., :a - 1]
   lse_c, lse_c_last = jax.nn.logsumexp(g.cols, axis=-1), jax.nn.logsumexp(g.cols[..., :last], axis=-1)
