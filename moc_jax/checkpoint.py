@@ -245,24 +245,33 @@ def _collect_abandoned_reads():
     gc.collect()
 
 
+_PREVIOUS_HOOK = []  # the hooks `_dropping_abandoned_reads` replaced, innermost last
+
+
+def _drop_abandoned_read(unraisable):
+  """sys.unraisablehook while `_dropping_abandoned_reads` is active: drops Orbax's abandoned coroutines'
+  complaints, hands anything else to the hook it replaced."""
+  code = getattr(unraisable.object, "cr_code", None)
+  if not (code and "orbax" in code.co_filename) and "Event loop is closed" not in str(unraisable.exc_value):
+    (_PREVIOUS_HOOK[-1] if _PREVIOUS_HOOK else sys.__unraisablehook__)(unraisable)
+
+
 @contextlib.contextmanager
 def _dropping_abandoned_reads():
   """Unraisable errors of Orbax's abandoned coroutines (and their 'never awaited' warnings) are dropped;
-  any other unraisable error still reaches the previous hook."""
+  any other unraisable error still reaches the previous hook. The hook is a module-level function, never a
+  closure: Orbax's worker threads can be inside it when this context restores the previous hook, and CPython
+  3.12 calls sys.unraisablehook through a borrowed reference, so a hook freed by the restore crashes them."""
   previous = sys.unraisablehook
-
-  def hook(unraisable):
-    code = getattr(unraisable.object, "cr_code", None)
-    if not (code and "orbax" in code.co_filename) and "Event loop is closed" not in str(unraisable.exc_value):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
+  _PREVIOUS_HOOK.append(previous)
+  sys.unraisablehook = _drop_abandoned_read
   try:
     with warnings.catch_warnings():
       warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
       yield
   finally:
     sys.unraisablehook = previous
+    _PREVIOUS_HOOK.pop()
 
 
 def _free_name(path):
