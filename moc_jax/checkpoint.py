@@ -260,8 +260,8 @@ def _drop_abandoned_read(unraisable):
 def _dropping_abandoned_reads():
   """Unraisable errors of Orbax's abandoned coroutines (and their 'never awaited' warnings) are dropped;
   any other unraisable error still reaches the previous hook. The hook is a module-level function, never a
-  closure: Orbax's worker threads can be inside it when this context restores the previous hook, and CPython
-  3.12 calls sys.unraisablehook through a borrowed reference, so a hook freed by the restore crashes them."""
+  closure that the restore could free: Orbax's worker threads can still be inside it when this context restores
+  the previous hook (a worker segfaulted inside the closure this replaced)."""
   previous = sys.unraisablehook
   _PREVIOUS_HOOK.append(previous)
   sys.unraisablehook = _drop_abandoned_read

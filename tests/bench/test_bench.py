@@ -83,8 +83,8 @@ def test_bank_scaling_routers(capsys):
   """--routers: each (size, router) pair; the product router's weights grow as sqrt(chapters): 1 + 8 + 8 and
   1 + 12 + 11 outputs of d + 1 inputs at 65 and 130 chapters."""
   r = _run(bank_scaling, [f"--config={TINY}", "--batch_size=2", "--sizes=1040,2080", "--tokens_per_chapter=0",
-                          "--rounds=1", "--optimizer_reps=1", "--settle_s=0", "--optimizers=lazy_adam", "--routers=linear,product",
-                          *SHORT], capsys)
+                          "--rounds=1", "--optimizer_reps=1", "--settle_s=0", "--optimizers=lazy_adam",
+                          "--routers=linear,product", *SHORT], capsys)
   assert [(s["chapters"], s["router"], s["router_params"]) for s in r["sizes"]] == [
       (65, "linear", 65 * 65), (65, "product", 17 * 65), (130, "linear", 130 * 65), (130, "product", 24 * 65)]
   assert set(r["growth"]) == {"linear", "product"} and set(r["pass"]) == {"linear", "product"}
