@@ -88,15 +88,6 @@ def arm_label(config) -> str:
   return "MoC, bank LR = 0 (frozen)" if t.bank_lr == 0 else f"MoC, bank LR {t.bank_lr / t.memory_lr:g}x"
 
 
-def _launch(directory, spec, sweep, points, parallel):
-  from moc_jax import sweeps
-  launcher = sweeps.Launcher(directory, spec, sweep, points, python_path=(os.getcwd(),))
-  counts = launcher.run(parallel)
-  if counts.get("done", 0) != len(points):
-    raise SystemExit(f"retention: {sweep} finished {counts.get('done', 0)} of {len(points)} runs ({counts}); "
-                     f"see {directory}/manifest.jsonl and each run's sweep.log, then re-run the same command")
-
-
 def _background(workdir):
   """The chapter reads of a MoC pre-training run on its own data (bank_background.json), once."""
   from moc_jax import bank_background
@@ -222,18 +213,19 @@ def plot(summary, path):
 
 
 def run(out, spec, quick, parallel) -> list[dict]:
+  from moc_jax import sweeps
   size = SIZES["quick" if quick else "default"]
   seeds = size["seeds"]
   out = os.path.abspath(out)
   pre_dir, fine_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
   pretrain = _phase(spec, "retention_pretrain", size, size["pretrain"], seeds)
-  _launch(pre_dir, spec, "retention_pretrain", pretrain, parallel)
+  sweeps.run_to_completion(pre_dir, spec, "retention_pretrain", pretrain, parallel, "retention")
   origin = {(_kind(p.config), p.config.seed): os.path.join(pre_dir, p.name) for p in pretrain}
   for (kind, _), workdir in origin.items():
     if kind == "moc":
       _background(workdir)
   finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin)
-  _launch(fine_dir, spec, "retention_finetune", finetune, parallel)
+  sweeps.run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
   scorer = _Scorer(pretrain[0].config.data.facts.seed, finetune[0].config.data.facts.seed)
   rows = [{"arm": arm_label(p.config), "seed": p.config.seed,
            "before": scorer(origin[(_kind(p.config), p.config.seed)]),

@@ -208,8 +208,15 @@ def _cell(key, value):
 def _mean_se(group, key):
   if key not in group:
     return ""
-  digits = 4 if key == "val_ce" else 3
-  return f"{group[key]:.{digits}f} ± {group[key + '_se']:.{digits}f}"
+  digits, se = 4 if key == "val_ce" else 3, group[key + "_se"]
+  return f"{group[key]:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")  # one seed: no spread
+
+
+def seed_table(groups) -> list[str]:
+  """The lines of a markdown table of seed_groups: one row per point, mean ± standard error of each metric."""
+  lines = ["| point | kind | seeds | " + " | ".join(SEED_HEADERS) + " |", "|---|---|---:|" + "---:|" * len(SEED_HEADERS)]
+  return lines + [f"| {g['point']} | {g['kind']} | {g['n']} | " + " | ".join(_mean_se(g, k) for k in SEED_METRICS)
+                  + " |" for g in groups]
 
 
 def markdown(title, rows, fit_list, plots) -> str:
@@ -225,10 +232,7 @@ def markdown(title, rows, fit_list, plots) -> str:
   lines += ["| " + " | ".join(_cell(k, r.get(k)) for k in COLUMNS[:-1]) + " |" for r in rows]
   groups = seed_groups(rows)
   if groups:
-    lines += ["", "## Across seeds (mean ± standard error over seeds)", "",
-              "| point | kind | seeds | " + " | ".join(SEED_HEADERS) + " |", "|---|---|---:|" + "---:|" * len(SEED_HEADERS)]
-    lines += [f"| {g['point']} | {g['kind']} | {g['n']} | "
-              + " | ".join(_mean_se(g, k) for k in SEED_METRICS) + " |" for g in groups]
+    lines += ["", "## Across seeds (mean ± standard error over seeds)", "", *seed_table(groups)]
   lines += ["", f"## Fits: loss = a·x^b (least squares in log-log; {CONFIDENCE:.0%} interval of b from Student's t)",
             ""]
   if fit_list:

@@ -93,18 +93,19 @@ def resolve(spec: str, overrides: dict):
   return values.config
 
 
-def plan(spec: str, sweep: str, extra: dict | None = None, only=None) -> list[Point]:
+def plan(spec: str, sweep: str, extra: dict | None = None, only=None, base: dict | None = None) -> list[Point]:
   """The sweep's points, each resolved and validated (nothing compiled). `extra` overrides (e.g. from
   the command line) change the config the sweep is built from and apply to every point without entering
-  its name; a field the sweep sets itself is refused. `only` keeps the named points."""
+  its name; a field the sweep sets itself is refused. `base` overrides are the same, except that a point
+  that sets the field keeps its own value (a harness's size: the `budget` sweep scales the steps it is
+  given). `only` keeps the named points."""
   path = spec.partition(":")[0]
   module = config_module(path)
   if not hasattr(module, "get_sweep"):
     raise ConfigError(f"{path} defines no sweeps (get_sweep); configs/moc.py does")
-  extra, points, seen = dict(extra or {}), [], {}
-  base = resolve(spec, extra)
+  extra, base, points, seen = dict(extra or {}), dict(base or {}), [], {}
   try:
-    overrides_list = module.get_sweep(sweep, base)
+    overrides_list = module.get_sweep(sweep, resolve(spec, {**base, **extra}))
   except ValueError as e:  # an unknown sweep
     raise ConfigError(str(e)) from e
   for overrides in overrides_list:
@@ -118,7 +119,8 @@ def plan(spec: str, sweep: str, extra: dict | None = None, only=None) -> list[Po
     if clash:
       raise ConfigError(f"--config.{clash[0]} is set by sweep {sweep} itself (point {name})")
     if only is None or name in only:
-      points.append(Point(name, {**overrides, **extra}, None))
+      kept = {k: v for k, v in base.items() if k not in overrides}
+      points.append(Point(name, {**kept, **overrides, **extra}, None))
   unknown = sorted(set(only or ()) - set(seen))
   if unknown:
     raise ConfigError(f"--only: no points {unknown} in sweep {sweep}; it has {sorted(seen)}")
@@ -346,3 +348,13 @@ class Launcher:
       self._save()
       print(f"sweep: {name} {e['status']} (exit {rc}) after {time.time() - t0:.0f} s; log {e['workdir']}/{LOG}",
             file=self.out, flush=True)
+
+
+def run_to_completion(sweep_dir, spec, sweep, points, parallel, harness) -> None:
+  """Runs `points` in sweep_dir until each is done (a stage of a harness such as moc_jax.retention; finished
+  points are skipped and interrupted ones resume, as with launch/sweep.py), with the current directory first
+  on the runs' PYTHONPATH. Stops the harness, naming what to look at, when any point did not finish."""
+  counts = Launcher(sweep_dir, spec, sweep, points, python_path=(os.getcwd(),)).run(parallel)
+  if counts.get("done", 0) != len(points):
+    raise SystemExit(f"{harness}: {sweep} finished {counts.get('done', 0)} of {len(points)} runs ({counts}); "
+                     f"see {sweep_dir}/{MANIFEST} and each run's {LOG}, then re-run the same command")

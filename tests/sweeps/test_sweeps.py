@@ -124,6 +124,14 @@ def test_plan_extra_overrides_and_errors():
     sweeps.plan("configs/moc.py:tiny", "topk", only=["k3"])
 
 
+def test_plan_base_overrides_yield_to_the_points_own():
+  # The budget sweep scales the steps it is given; a point that sets nothing keeps the base value.
+  points = sweeps.plan("configs/moc.py:tiny", "budget", {"memory.routing": "prefix"}, base={"train.steps": 80})
+  assert sorted({p.config.train.steps for p in points}) == [40, 80, 160]
+  assert all(p.config.memory.routing == "prefix" and "train.steps" not in p.name for p in points)
+  assert {p.config.train.steps for p in sweeps.plan("configs/moc.py:tiny", "bank", base={"train.steps": 80})} == {80}
+
+
 # ---------------------------------------------------------------------------------------------------- dry runs
 
 def test_local_dry_run(capsys, tmp_path):

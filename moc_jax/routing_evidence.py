@@ -1,0 +1,231 @@
+"""`python -m moc_jax.routing_evidence --out=DIR [--quick] [--parallel=2] [--moc=POINT]
+[--config=configs/moc.py:tiny]`
+
+Does the memory pay, and under which router? The evidence of docs/routing.md in one command, three stages,
+each a sweep of the config file run to completion in DIR/<stage>/ (resumable and idempotent like
+launch/sweep.py: finished runs are skipped, interrupted ones resume):
+
+  arms    sweep `routing` at half the config's steps: the backbone without memory, its iso-FLOP vanilla, and
+          MoC under every load balance x routing;
+  bank    sweep `bank_seeds` under the chosen MoC arm, at the same steps: banks from one read (shared + top-k
+          chapters) to the config's bank, every one read at the same top-k;
+  budget  sweep `budget` under the chosen MoC arm: MoC and its iso-FLOP vanilla at 1/2, 1 and 2x the steps.
+
+Every point runs once per seed. The chosen arm is the MoC arm of `arms` with the highest mean fact recall,
+the goal's metric (lower validation CE breaks a tie); --moc names it instead. Each MoC run is then evaluated
+by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of fact
+prompts' chapters with a paraphrase's and with another entity's). DIR/<stage>/results.md holds a stage's
+tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the three tables across seeds and each
+goal of the routing work, met or not, with its numbers.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from moc_jax import cli
+
+FLAGS = flags.FLAGS
+
+STAGES = ("arms", "bank", "budget")
+SWEEP_OF = {"arms": "routing", "bank": "bank_seeds", "budget": "budget"}
+ARM_KEYS = ("memory.load_balance", "memory.load_balance_coef", "memory.routing")  # what an arm of `arms` sets
+# The default size is what docs/routing.md measured; quick tests the harness in a few minutes (CI).
+SIZES = {
+    "default": {"seeds": (0, 1, 2), "steps_factor": 0.5, "shapes": {"train.num_probes": 4096}},
+    "quick": {"seeds": (0,), "steps_factor": 0.5,
+              "shapes": {"train.steps": 4, "train.warmup_steps": 1, "data.seq_len": 32, "train.batch_size": 4,
+                         "train.eval_batches": 1, "train.num_probes": 16, "data.facts.num_docs": 200,
+                         "data.facts.num_val_docs": 20, "train.log_every": 1}},
+}
+GOAL_Z = 2.0  # MoC's recall must beat the iso-FLOP vanilla's by this many combined standard errors
+GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean load
+
+
+def define_flags():
+  """This command's flags (defined only when it runs: other entry points define their own)."""
+  flags.DEFINE_string("out", "routing_evidence", "Directory of the harness (arms/, bank/, budget/, evidence.md).")
+  flags.DEFINE_string("config", "configs/moc.py:tiny", "The config file and argument whose sweeps routing, "
+                      "bank_seeds and budget define the runs.")
+  flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
+  flags.DEFINE_integer("parallel", 2, "Runs (and evaluations) at once.")
+  flags.DEFINE_string("moc", None, "The MoC arm of stage `arms` that stages bank and budget use, by point name "
+                      "(e.g. routed-prefix); default: the arm with the highest mean fact recall.")
+
+
+# ---- running --------------------------------------------------------------------------------------------
+
+def _plan(spec, stage, size, arm=None):
+  """The stage's points at this size for its seeds: the final evaluation scores every seen fact (the size's
+  num_probes), checkpoints as the config has them (a run stopped midway resumes)."""
+  from moc_jax import sweeps
+  steps = size["shapes"].get("train.steps") or sweeps.resolve(spec, {}).train.steps
+  half = max(1, int(steps * size["steps_factor"]))
+  extra = {**{k: v for k, v in size["shapes"].items() if k != "train.steps"}, **(arm or {})}
+  if stage == "budget":  # the sweep scales the steps itself; the last evaluation comes at each run's end
+    points = sweeps.plan(spec, SWEEP_OF[stage], {**extra, "train.eval_every": 2 * steps}, base={"train.steps": steps})
+  else:
+    points = sweeps.plan(spec, SWEEP_OF[stage], {**extra, "train.steps": half, "train.eval_every": half})
+  return [p for p in points if p.config.seed in size["seeds"]]
+
+
+def _evaluate(workdirs, parallel, harness="routing_evidence"):
+  """`python -m moc_jax.eval` on each MoC run without an eval.json, `parallel` at a time (log: eval.log)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+
+  def one(workdir):
+    with open(os.path.join(workdir, "eval.log"), "w") as log:
+      rc = subprocess.run([sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"], check=False,
+                          stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    return workdir, rc
+
+  todo = [w for w in workdirs if not os.path.exists(os.path.join(w, "eval.json"))]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+    failed = [w for w, rc in pool.map(one, todo) if rc]
+  if failed:
+    raise SystemExit(f"{harness}: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
+                     "re-run the same command")
+
+
+def _groups(stage_dir) -> list[dict]:
+  """The stage's points across seeds (sweep_report.seed_groups), each with its overrides (without the seed)."""
+  from moc_jax import sweep_report
+  rows = sweep_report.run_rows(stage_dir)
+  overrides = {re.sub(r"-seed\d+$", "", r["run"]): r["overrides"] for r in rows}
+  return [{**g, "overrides": overrides[g["point"]]} for g in sweep_report.seed_groups(rows)]
+
+
+def run_stage(out, spec, stage, size, parallel, arm=None) -> dict:
+  """Trains and evaluates one stage; returns {groups, wall_s (the runs' own, summed), eval_s}."""
+  from moc_jax import sweep_report, sweeps
+  stage_dir = os.path.join(out, stage)
+  points = _plan(spec, stage, size, arm)
+  sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
+  t0 = time.time()
+  _evaluate([os.path.join(stage_dir, p.name) for p in points if sweeps.is_moc(p.config)], parallel)
+  eval_s = time.time() - t0
+  sweep_report.collect(stage_dir)
+  wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
+  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": eval_s}
+
+
+# ---- the evidence ---------------------------------------------------------------------------------------
+
+def choose_arm(groups, name=None) -> dict:
+  """The MoC group named `name`, or the one with the highest mean fact recall (then the lowest CE)."""
+  from moc_jax.errors import UsageError
+  moc = [g for g in groups if g["kind"] == "moc"]
+  if name is not None:
+    named = [g for g in moc if g["point"] == name]
+    if not named:
+      raise UsageError(f"--moc={name}: no such MoC arm; the arms are {sorted(g['point'] for g in moc)}")
+    return named[0]
+  return max(moc, key=lambda g: (g.get("fact_recall", -math.inf), -g.get("val_ce", math.inf)))
+
+
+def arm_overrides(group) -> dict:
+  return {k: v for k, v in group["overrides"].items() if k in ARM_KEYS}
+
+
+def z_gap(a, a_se, b, b_se) -> float:
+  """(a - b) in combined standard errors, sqrt(a_se² + b_se²); NaN when there is no spread (one seed)."""
+  spread = math.hypot(a_se, b_se)
+  return (a - b) / spread if spread > 0 else math.nan
+
+
+def goals(chosen, bank_groups, budget_groups) -> list[dict]:
+  """Each goal of the routing work: {goal, met, detail}."""
+  out = []
+  read, load = chosen.get("eval_used_frac", math.nan), chosen.get("eval_max_load", math.nan)
+  out.append({"goal": f"≥ {GOAL_READ:.0%} of routable chapters read over the validation split, max / mean load "
+                      f"≤ {GOAL_LOAD:g}", "met": read >= GOAL_READ and load <= GOAL_LOAD,
+              "detail": f"{chosen['point']}: {read:.3f} read, max / mean load {load:.2f}"})
+  para, other = chosen.get("paraphrase_jaccard", math.nan), chosen.get("other_entity_jaccard", math.nan)
+  out.append({"goal": "routing follows the entity: a paraphrase's chapters overlap more than another entity's",
+              "met": para > other, "detail": f"{chosen['point']}: Jaccard {para:.3f} paraphrase vs {other:.3f} "
+                                             "other entity"})
+  by_steps = {}
+  for g in budget_groups:
+    by_steps.setdefault(g["overrides"]["train.steps"], {})[g["kind"]] = g
+  details, wins = [], 0
+  for steps, pair in sorted(by_steps.items()):
+    if {"moc", "dense"} <= set(pair):
+      m, d = pair["moc"], pair["dense"]
+      z = z_gap(m["fact_recall"], m["fact_recall_se"], d["fact_recall"], d["fact_recall_se"])
+      wins += z >= GOAL_Z
+      gap = "one seed: no standard error" if math.isnan(z) else f"{z:+.1f} SE"
+      details.append(f"{steps} steps: {m['fact_recall']:.3f} vs {d['fact_recall']:.3f} ({gap})")
+  out.append({"goal": f"MoC's fact recall beats the iso-FLOP vanilla's by ≥ {GOAL_Z:g} standard errors at equal "
+                      "training FLOPs", "met": wins > 0,
+              "detail": f"met at {wins} of {len(details)} budgets; " + "; ".join(details)})
+  sizes = sorted((g["overrides"]["memory.num_tokens"], g) for g in bank_groups if g["kind"] == "moc")
+  ce = [g["val_ce"] for _, g in sizes]
+  recall = [g["fact_recall"] for _, g in sizes]
+  monotone = (len(sizes) >= 4 and all(a > b for a, b in itertools.pairwise(ce))
+              and all(a < b for a, b in itertools.pairwise(recall)))
+  out.append({"goal": "validation CE falls and fact recall rises at every step over ≥ 4 bank sizes at a fixed read",
+              "met": monotone, "detail": "; ".join(f"{n:,} tokens: CE {c:.4f}, recall {r:.3f}"
+                                                   for (n, _), c, r in zip(sizes, ce, recall))})
+  return out
+
+
+def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
+  from moc_jax import sweep_report
+  flag = " --quick" if size_name == "quick" else ""
+  lines = [f"# Routing evidence: `python -m moc_jax.routing_evidence --config={spec}{flag}`", "",
+           (f"Size `{size_name}`; {machine}. Mean ± standard error over seeds; fact recall on the final evaluation's "
+            "probes (likelihood choice among 4 candidates), chapters read and load over the validation split "
+            "(`python -m moc_jax.eval`)."), ""]
+  titles = {"arms": "Stage `arms`: every load balance x routing, the backbone and its iso-FLOP vanilla",
+            "bank": f"Stage `bank`: bank sizes at a fixed read, under {chosen['point']}",
+            "budget": f"Stage `budget`: MoC ({chosen['point']}) and its iso-FLOP vanilla at three budgets"}
+  for stage in STAGES:
+    if stage in stages:
+      s = stages[stage]
+      lines += [f"## {titles[stage]}", "", *sweep_report.seed_table(s["groups"]), "",
+                f"Runs {s['wall_s']:,.0f} s (summed), evaluations {s['eval_s']:,.0f} s; per run: {stage}/results.md.",
+                ""]
+      if stage == "arms":
+        lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}).", ""]
+  lines += ["## Goals", "", "| goal | met | numbers |", "|---|---|---|"]
+  lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['detail']} |" for g in goal_list]
+  total = sum(s["wall_s"] + s["eval_s"] for s in stages.values())
+  return "\n".join(lines + ["", f"Wall time of the runs and evaluations, summed: {total:,.0f} s.", ""])
+
+
+def run(out, spec, quick, parallel, moc=None) -> str:
+  from moc_jax.train.peaks import cpu_model
+  size_name = "quick" if quick else "default"
+  size, out = SIZES[size_name], os.path.abspath(out)
+  stages = {"arms": run_stage(out, spec, "arms", size, parallel)}
+  chosen = choose_arm(stages["arms"]["groups"], moc)
+  for stage in ("bank", "budget"):
+    stages[stage] = run_stage(out, spec, stage, size, parallel, arm_overrides(chosen))
+  machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
+  text = markdown(spec, size_name, stages, chosen,
+                  goals(chosen, stages["bank"]["groups"], stages["budget"]["groups"]), machine)
+  with open(os.path.join(out, "evidence.md"), "w") as f:
+    f.write(text)
+  return text
+
+
+def main(argv):
+  from moc_jax.errors import UsageError
+  cli.begin(argv)
+  if FLAGS.parallel < 1:
+    raise UsageError(f"--parallel={FLAGS.parallel}: run at least one at a time")
+  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc))
+  print(f"{FLAGS.out}/evidence.md")
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,74 @@
+"""The routing evidence harness's verdicts (moc_jax/routing_evidence.py): the chosen arm, gaps in standard
+errors and each goal met or not, on hand-made seed groups. The harness end to end runs in CI
+(`python -m moc_jax.routing_evidence --quick`, .ci/run)."""
+import math
+
+import pytest
+
+from moc_jax import routing_evidence as evidence
+from moc_jax.errors import UsageError
+
+
+def group(point, kind="moc", **metrics):
+  overrides = metrics.pop("overrides", {})
+  return {"point": point, "kind": kind, "n": 3, "overrides": overrides, **metrics}
+
+
+ARMS = [group("dense-mlp288", "dense", fact_recall=0.9, val_ce=0.1),
+        group("mocpt-sequence", fact_recall=0.40, val_ce=0.30,
+              overrides={"memory.load_balance": "mocpt", "memory.routing": "sequence"}),
+        group("routed-prefix", fact_recall=0.45, val_ce=0.31,
+              overrides={"memory.load_balance": "routed", "memory.routing": "prefix", "seed": 0}),
+        group("aux_free-segment", fact_recall=0.45, val_ce=0.29,
+              overrides={"memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0,
+                         "memory.routing": "segment"})]
+
+
+def test_the_chosen_arm_has_the_best_moc_recall_then_the_lower_ce():
+  chosen = evidence.choose_arm(ARMS)
+  assert chosen["point"] == "aux_free-segment"  # the vanilla's higher recall is not an arm
+  assert evidence.arm_overrides(chosen) == {"memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0,
+                                            "memory.routing": "segment"}
+  assert evidence.arm_overrides(evidence.choose_arm(ARMS, "routed-prefix")) == {
+      "memory.load_balance": "routed", "memory.routing": "prefix"}
+  with pytest.raises(UsageError, match="--moc=dense-mlp288: no such MoC arm"):
+    evidence.choose_arm(ARMS, "dense-mlp288")
+
+
+def test_gap_in_combined_standard_errors():
+  assert evidence.z_gap(0.5, 0.03, 0.4, 0.04) == pytest.approx(2.0)
+  assert evidence.z_gap(0.4, 0.03, 0.5, 0.04) == pytest.approx(-2.0)
+  assert math.isnan(evidence.z_gap(0.5, 0.0, 0.4, 0.0))
+
+
+def _budget(moc_recall, moc_se, dense_recall, dense_se, steps):
+  return [group(f"steps{steps}", fact_recall=moc_recall, fact_recall_se=moc_se, overrides={"train.steps": steps}),
+          group(f"dense-mlp288-steps{steps}", "dense", fact_recall=dense_recall, fact_recall_se=dense_se,
+                overrides={"train.steps": steps})]
+
+
+def _bank(ce, recall):
+  return [group(f"bank{n}", val_ce=c, fact_recall=r, overrides={"memory.num_tokens": n})
+          for n, c, r in zip((1040, 144, 528, 272), ce, recall)]  # out of order: goals sorts by size
+
+
+def test_goals_met():
+  chosen = group("routed-prefix", eval_used_frac=0.95, eval_max_load=2.5, paraphrase_jaccard=0.4,
+                 other_entity_jaccard=0.3)
+  budget = _budget(0.60, 0.01, 0.55, 0.015, 900) + _budget(0.5, 0.02, 0.5, 0.02, 450)
+  result = evidence.goals(chosen, _bank((0.25, 0.31, 0.27, 0.29), (0.5, 0.2, 0.4, 0.3)), budget)
+  assert [g["met"] for g in result] == [True, True, True, True]
+  assert "met at 1 of 2 budgets; 450 steps: 0.500 vs 0.500 (+0.0 SE); 900 steps: 0.600 vs 0.550 (+2.8 SE)" in (
+      result[2]["detail"])
+  assert result[3]["detail"].startswith("144 tokens: CE 0.3100, recall 0.200; 272 tokens")
+
+
+def test_goals_missed_each_by_its_own_measure():
+  chosen = group("routed-segment", eval_used_frac=0.94, eval_max_load=4.6, paraphrase_jaccard=0.3,
+                 other_entity_jaccard=0.3)
+  # recall 1.9 SE ahead; the bank's CE falls throughout but its recall dips once.
+  bank = _bank((0.25, 0.31, 0.27, 0.29), (0.5, 0.2, 0.3, 0.4))
+  result = evidence.goals(chosen, bank, _budget(0.619, 0.02, 0.57, 0.0168, 900))
+  assert [g["met"] for g in result] == [False, False, False, False]
+  assert "0.940 read, max / mean load 4.60" in result[0]["detail"]
+  assert not evidence.goals(chosen, bank[:3], [])[3]["met"]  # three sizes are not enough
