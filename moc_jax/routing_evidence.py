@@ -11,8 +11,8 @@ launch/sweep.py: finished runs are skipped, interrupted ones resume):
           chapters) to the config's bank, every one read at the same top-k;
   budget  sweep `budget` under the chosen MoC arm: MoC and its iso-FLOP vanilla at 1/2, 1 and 2x the steps.
 
-Every point runs once per seed. The chosen arm is the MoC arm of `arms` with the highest mean fact recall,
-the goal's metric (lower validation CE breaks a tie); --moc names it instead. Each MoC run is then evaluated
+Every point runs once per seed. The chosen arm is the causal MoC arm of `arms` with the highest mean fact
+recall, the goal's metric (lower validation CE breaks a tie); --moc names any arm instead. Each MoC run is then evaluated
 by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of fact
 prompts' chapters with a paraphrase's and with another entity's). DIR/<stage>/results.md holds a stage's
 tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the three tables across seeds and each
@@ -119,8 +119,15 @@ def run_stage(out, spec, stage, size, parallel, arm=None) -> dict:
 
 # ---- the evidence ---------------------------------------------------------------------------------------
 
+def is_causal(group) -> bool:
+  from moc_jax.config.schema import CAUSAL_ROUTINGS
+  return group["overrides"].get("memory.routing") in CAUSAL_ROUTINGS
+
+
 def choose_arm(groups, name=None) -> dict:
-  """The MoC group named `name`, or the one with the highest mean fact recall (then the lowest CE)."""
+  """The MoC group named `name`, or the causal one with the highest mean fact recall (then the lowest CE).
+  Only causal arms are chosen by default: a non-causal arm's validation CE counts what its routing saw of
+  the tokens it predicts (docs/routing.md measures how much), so against a vanilla it is not a fair score."""
   from moc_jax.errors import UsageError
   moc = [g for g in groups if g["kind"] == "moc"]
   if name is not None:
@@ -128,7 +135,10 @@ def choose_arm(groups, name=None) -> dict:
     if not named:
       raise UsageError(f"--moc={name}: no such MoC arm; the arms are {sorted(g['point'] for g in moc)}")
     return named[0]
-  return max(moc, key=lambda g: (g.get("fact_recall", -math.inf), -g.get("val_ce", math.inf)))
+  causal = [g for g in moc if is_causal(g)]
+  if not causal:
+    raise UsageError(f"no causal MoC arm to choose from ({sorted(g['point'] for g in moc)}); name one with --moc")
+  return max(causal, key=lambda g: (g.get("fact_recall", -math.inf), -g.get("val_ce", math.inf)))
 
 
 def arm_overrides(group) -> dict:
@@ -194,7 +204,8 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
                 f"Runs {s['wall_s']:,.0f} s (summed), evaluations {s['eval_s']:,.0f} s; per run: {stage}/results.md.",
                 ""]
       if stage == "arms":
-        lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}).", ""]
+        causal = "causal" if is_causal(chosen) else "NOT causal: its CE counts what routing saw of later tokens"
+        lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}; {causal}).", ""]
   lines += ["## Goals", "", "| goal | met | numbers |", "|---|---|---|"]
   lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['detail']} |" for g in goal_list]
   total = sum(s["wall_s"] + s["eval_s"] for s in stages.values())

@@ -24,15 +24,22 @@ ARMS = [group("dense-mlp288", "dense", fact_recall=0.9, val_ce=0.1),
                          "memory.routing": "segment"})]
 
 
-def test_the_chosen_arm_has_the_best_moc_recall_then_the_lower_ce():
-  chosen = evidence.choose_arm(ARMS)
-  assert chosen["point"] == "aux_free-segment"  # the vanilla's higher recall is not an arm
+def test_the_chosen_arm_is_causal_with_the_best_moc_recall_then_the_lower_ce():
+  causal = [group("aux_free-prefix", fact_recall=0.45, val_ce=0.30,
+                  overrides={"memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0,
+                             "memory.routing": "prefix"})]
+  # The vanilla's higher recall is not an arm; neither non-causal arm is chosen, however good.
+  assert evidence.choose_arm(ARMS)["point"] == "routed-prefix"
+  chosen = evidence.choose_arm(ARMS + causal)
+  assert chosen["point"] == "aux_free-prefix"  # recall tied with routed-prefix: the lower CE
   assert evidence.arm_overrides(chosen) == {"memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0,
-                                            "memory.routing": "segment"}
-  assert evidence.arm_overrides(evidence.choose_arm(ARMS, "routed-prefix")) == {
-      "memory.load_balance": "routed", "memory.routing": "prefix"}
+                                            "memory.routing": "prefix"}
+  assert evidence.arm_overrides(evidence.choose_arm(ARMS, "aux_free-segment")) == {
+      "memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0, "memory.routing": "segment"}
   with pytest.raises(UsageError, match="--moc=dense-mlp288: no such MoC arm"):
     evidence.choose_arm(ARMS, "dense-mlp288")
+  with pytest.raises(UsageError, match="no causal MoC arm"):
+    evidence.choose_arm(ARMS[:2])
 
 
 def test_gap_in_combined_standard_errors():
