@@ -34,11 +34,8 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
-  flags.DEFINE_string("out", "retention", "Directory of the harness (pretrain/, finetune/, the table and plot).")
-  flags.DEFINE_string("config", "configs/moc.py:tiny", "The config file and argument whose sweeps "
-                      "retention_pretrain and retention_finetune define the arms.")
-  flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
-  flags.DEFINE_integer("parallel", 2, "Runs at once.")
+  cli.define_harness_flags("retention", "pretrain/, finetune/, the table and plot",
+                           "retention_pretrain and retention_finetune define the arms")
 
 # The default size took 37 minutes on a 2-core CPU (docs/retention.md); quick about six.
 SIZES = {
@@ -241,10 +238,8 @@ def run(out, spec, quick, parallel) -> list[dict]:
 
 
 def main(argv):
-  from moc_jax.errors import UsageError
   cli.begin(argv)
-  if FLAGS.parallel < 1:
-    raise UsageError(f"--parallel={FLAGS.parallel}: run at least one at a time")
+  cli.check_parallel(FLAGS.parallel)
   summary = run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel)
   print(markdown(summary))
   print(f"\n{FLAGS.out}/retention.md, retention.csv, retention.png")

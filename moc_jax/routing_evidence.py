@@ -52,13 +52,10 @@ GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean 
 
 def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
-  flags.DEFINE_string("out", "routing_evidence", "Directory of the harness (arms/, bank/, budget/, evidence.md).")
-  flags.DEFINE_string("config", "configs/moc.py:tiny", "The config file and argument whose sweeps routing, "
-                      "bank_seeds and budget define the runs.")
-  flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
-  flags.DEFINE_integer("parallel", 2, "Runs (and evaluations) at once.")
+  cli.define_harness_flags("routing_evidence", "arms/, bank/, budget/, evidence.md",
+                           "routing, bank_seeds and budget define the runs")
   flags.DEFINE_string("moc", None, "The MoC arm of stage `arms` that stages bank and budget use, by point name "
-                      "(e.g. routed-prefix); default: the arm with the highest mean fact recall.")
+                      "(e.g. routed-prefix); default: the causal arm with the highest mean fact recall.")
 
 
 # ---- running --------------------------------------------------------------------------------------------
@@ -229,10 +226,8 @@ def run(out, spec, quick, parallel, moc=None) -> str:
 
 
 def main(argv):
-  from moc_jax.errors import UsageError
   cli.begin(argv)
-  if FLAGS.parallel < 1:
-    raise UsageError(f"--parallel={FLAGS.parallel}: run at least one at a time")
+  cli.check_parallel(FLAGS.parallel)
   print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc))
   print(f"{FLAGS.out}/evidence.md")
 
