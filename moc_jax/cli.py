@@ -133,6 +133,7 @@ def define_harness_flags(out, layout, sweeps_help):
 
 
 def check_parallel(parallel):
+  """A harness's --parallel, refused with one line (exit 2) when below 1."""
   from moc_jax.errors import UsageError
   if parallel < 1:
     raise UsageError(f"--parallel={parallel}: run at least one at a time")

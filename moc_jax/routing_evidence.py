@@ -12,9 +12,9 @@ launch/sweep.py: finished runs are skipped, interrupted ones resume):
   budget  sweep `budget` under the chosen MoC arm: MoC and its iso-FLOP vanilla at 1/2, 1 and 2x the steps.
 
 Every point runs once per seed. The chosen arm is the causal MoC arm of `arms` with the highest mean fact
-recall, the goal's metric (lower validation CE breaks a tie); --moc names any arm instead. Each MoC run is then evaluated
-by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of fact
-prompts' chapters with a paraphrase's and with another entity's). DIR/<stage>/results.md holds a stage's
+recall, the goal's metric (lower validation CE breaks a tie); --moc names any arm instead. Each MoC run is then
+evaluated by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of
+fact prompts' chapters with a paraphrase's and with another entity's). DIR/<stage>/results.md holds a stage's
 tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the three tables across seeds and each
 goal of the routing work, met or not, with its numbers.
 """
@@ -40,12 +40,13 @@ SWEEP_OF = {"arms": "routing", "bank": "bank_seeds", "budget": "budget"}
 ARM_KEYS = ("memory.load_balance", "memory.load_balance_coef", "memory.routing")  # what an arm of `arms` sets
 # The default size is what docs/routing.md measured; quick tests the harness in a few minutes (CI).
 SIZES = {
-    "default": {"seeds": (0, 1, 2), "steps_factor": 0.5, "shapes": {"train.num_probes": 4096}},
-    "quick": {"seeds": (0,), "steps_factor": 0.5,
+    "default": {"seeds": (0, 1, 2), "shapes": {"train.num_probes": 4096}},
+    "quick": {"seeds": (0,),
               "shapes": {"train.steps": 4, "train.warmup_steps": 1, "data.seq_len": 32, "train.batch_size": 4,
                          "train.eval_batches": 1, "train.num_probes": 16, "data.facts.num_docs": 200,
                          "data.facts.num_val_docs": 20, "train.log_every": 1}},
 }
+ARMS_STEPS = 0.5  # stages arms and bank train for this share of the config's steps (budget's shortest point)
 GOAL_Z = 2.0  # MoC's recall must beat the iso-FLOP vanilla's by this many combined standard errors
 GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean load
 
@@ -65,7 +66,7 @@ def _plan(spec, stage, size, arm=None):
   num_probes), checkpoints as the config has them (a run stopped midway resumes)."""
   from moc_jax import sweeps
   steps = size["shapes"].get("train.steps") or sweeps.resolve(spec, {}).train.steps
-  half = max(1, int(steps * size["steps_factor"]))
+  half = max(1, int(steps * ARMS_STEPS))
   extra = {**{k: v for k, v in size["shapes"].items() if k != "train.steps"}, **(arm or {})}
   if stage == "budget":  # the sweep scales the steps itself; the last evaluation comes at each run's end
     points = sweeps.plan(spec, SWEEP_OF[stage], {**extra, "train.eval_every": 2 * steps}, base={"train.steps": steps})
@@ -74,7 +75,7 @@ def _plan(spec, stage, size, arm=None):
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
-def _evaluate(workdirs, parallel, harness="routing_evidence"):
+def _evaluate(workdirs, parallel):
   """`python -m moc_jax.eval` on each MoC run without an eval.json, `parallel` at a time (log: eval.log)."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
 
@@ -88,7 +89,7 @@ def _evaluate(workdirs, parallel, harness="routing_evidence"):
   with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     failed = [w for w, rc in pool.map(one, todo) if rc]
   if failed:
-    raise SystemExit(f"{harness}: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
+    raise SystemExit(f"routing_evidence: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
                      "re-run the same command")
 
 
