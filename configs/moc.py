@@ -1,7 +1,7 @@
 """Mixture-of-Chapters models: `--config=configs/moc.py:NAME[,runlocal]`.
 
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
-Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing, bank_seeds,
+Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing, bank_seeds, bank_scale,
 budget) run through launch/sweep.py.
 """
 from moc_jax.config import schema
@@ -159,6 +159,19 @@ def _bank_seeds(c):
   return _seeds(_bank(c))
 
 
+BANK_SCALE = (1, 4, 16, 64)  # the `bank_scale` sweep's routable chapters, in multiples of the config's
+
+
+def _bank_scale(c):
+  """Banks beyond the config's, at its chapter size and read (so the same k·T tokens are read): the config's
+  routable chapters x 1, 4, 16 and 64, once per seed; 1,040 to 65,552 tokens for tiny. Meant for
+  `memory.router=product`, whose cost does not grow with the bank (docs/routing.md#banks-beyond-the-config)."""
+  mem = c.memory
+  per_chapter = mem.num_tokens // mem.num_chapters
+  chapters = [mem.num_shared + m * (mem.num_chapters - mem.num_shared) for m in BANK_SCALE]
+  return _seeds([{"memory.num_chapters": n, "memory.num_tokens": n * per_chapter} for n in chapters])
+
+
 def _budget(c):
   """MoC and its iso-FLOP vanilla at 1/2, 1 and 2 times the config's steps, once per seed."""
   points = []
@@ -195,7 +208,7 @@ def _retention_finetune(c):
 
 
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
-          "routing": _routing, "bank_seeds": _bank_seeds, "budget": _budget,
+          "routing": _routing, "bank_seeds": _bank_seeds, "bank_scale": _bank_scale, "budget": _budget,
           "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
 
 

@@ -132,11 +132,51 @@ def selected_tokens(c) -> int:
   return (mem.num_shared + mem.top_k) * (mem.num_tokens // mem.num_chapters)
 
 
+def grid_router_aux(n, s, a, b, routable, k):
+  """The product router's statistics over n decisions as the train step computes them, never expanding the C
+  logits (`routing.grid_router_losses`; our count): the per-chapter means (the balance term's P and the MSE
+  aux's mean squared probability) are one [a, n] x [n, b] matmul each; the rest is per factor, each log-sum-exp
+  at the softmax rate per element and each exp-weighted sum at the entropy rate."""
+  c = s + routable
+  return {
+      "f": Flops(n * k + c),
+      "P": Flops(2 * n * a * b, matmul=True),
+      "P_scale": Flops(n * b + a * b),
+      "load_balance": Flops(c + (c - 1) + 1),
+      "normaliser": softmax(n * (s + 2 * a + 2 * b)),  # shared, rows, full rows, columns, last row's columns
+      "p_squared": Flops(2 * n * a * b, matmul=True),
+      # squares of the shared, row, column and routed-mass factors; the column scaling; the divide; the shared mean
+      "p_squared_scale": Flops(n * (s + a + b + 1) + n * b + a * b + s * n),
+      "mse": Flops(2 * c + (c - 1) + 1),
+      "z": Flops(n + (n - 1) + 1),
+      "entropy": Flops(4 * n * (s + a + b)),
+  }
+
+
+def _grid_choice(mem, n, a, b):
+  """The product router's top-k over n decisions (`routing.grid_route`; our count): the top k of the full rows,
+  of the columns and of the last row's cells, the row + column sums of those candidates and the top k of them,
+  then the chosen logits' softmax. With the aux-free bias the choice expands the grid and takes the top k of
+  every chapter."""
+  k, routable = mem.top_k, mem.num_chapters - mem.num_shared
+  weights = {"weights": Flops(n * k + SOFTMAX * n * k)}
+  if mem.load_balance == "aux_free":
+    return {"grid": Flops(n * a * b), "top_k": top_k(n, mem.num_chapters, k), **weights}
+  full, last = a - 1, routable - (a - 1) * b
+  kr, kc, kl = min(k, full), min(k, b), min(k, last)
+  firsts = top_k(n, full, kr).count + top_k(n, b, kc).count if full else 0
+  candidates = (kr * kc if full else 0) + kl
+  return {"top_k": Flops(firsts + top_k(n, last, kl).count + top_k(n, candidates, k).count),
+          "candidates": Flops(n * candidates), **weights}
+
+
 def _router(c, b, l):
   """Router and its statistics. Sequence routing: one decision per row (as MoC-PT counts it). Per-position routing
   (not in MoC-PT's estimator; our count): one decision per position (token, prefix) or per chunk,
   pooled by a cumulative masked sum (prefix, chunk: a sum and a count per position, a divide per
-  decision). `memory.router=product` (our count): a linear map to s + a + b logits and the a x b outer sum."""
+  decision). `memory.router=product` (our count): a linear map to s + a + b logits, then the factored choice and
+  statistics the train step runs, whose cost grows with the bank through two [a, n] x [n, b] matmuls, O(C) reductions
+  over the step's loads and, with the aux-free bias, the expanded top-k."""
   mem, d = c.memory, c.model.d_model
   if mem.routing == "sequence":
     decisions, pool = b, mean_pool(b, l, d)
@@ -144,13 +184,13 @@ def _router(c, b, l):
     decisions = b * (l if mem.routing != "chunk" else -(-l // mem.routing_chunk))
     pool = Flops(0) if mem.routing == "token" else Flops(b * l * (d + 1) + decisions * d)
   if mem.router == "linear":
-    projection = {"linear": linear(decisions, d, mem.num_chapters)}
-  else:  # shared, row and column logits, and each grid cell's row + column (cells past the last chapter too)
-    a, b_ = router_factors(c)
-    projection = {"linear": linear(decisions, d, mem.num_shared + a + b_), "grid": Flops(decisions * a * b_)}
-  return ({"pool": pool, **projection,
-           "softmax": softmax(decisions * mem.num_chapters), "top_k": top_k(decisions, mem.num_chapters, mem.top_k)},
-          router_aux(decisions, mem.num_chapters, mem.top_k))
+    return ({"pool": pool, "linear": linear(decisions, d, mem.num_chapters),
+             "softmax": softmax(decisions * mem.num_chapters), "top_k": top_k(decisions, mem.num_chapters, mem.top_k)},
+            router_aux(decisions, mem.num_chapters, mem.top_k))
+  a, b_ = router_factors(c)
+  s, routable = mem.num_shared, mem.num_chapters - mem.num_shared
+  return ({"pool": pool, "linear": linear(decisions, d, s + a + b_), **_grid_choice(mem, decisions, a, b_)},
+          grid_router_aux(decisions, s, a, b_, routable, mem.top_k))
 
 
 def _memory_extra(c, b, l):

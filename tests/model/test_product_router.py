@@ -179,13 +179,36 @@ def test_parameter_count_by_hand():
 
 
 def test_flops_by_hand():
-  """Sequence routing, B = 1: 2·d·(s + a + b) for the three matrices and a·b adds for the grid."""
-  cfg = _config(66, 1)
-  router = flops.estimate(cfg, 1, 128)["memory_layer"]["memory"]["router"]
-  assert router["linear"] == 2 * 64 * (1 + 9 + 8) and router["grid"] == 9 * 8
+  """Sequence routing, B = 1, s = 1, R = 65 on a 9 x 8 grid (8 full rows, 1 chapter in the last), k = 8: the
+  factored path the train step runs, counted by hand; the statistics never touch a C-sized softmax."""
+  router = flops.estimate(_config(66, 1), 1, 128)["memory_layer"]["memory"]
+  assert router["router"] == {
+      "total": 8_192 + 2_304 + 244 + 65 + 48,
+      "pool": 64 * 127 + 64, "linear": 2 * 64 * (1 + 9 + 8),
+      "top_k": 8 * 3 + 8 * 3 + 1 * 1 + (64 + 1) * 3,  # full rows, columns, last row, then the 65 candidates
+      "candidates": 64 + 1, "weights": 8 + 5 * 8}
+  assert router["router_aux"] == {
+      "total": 74 + 144 + 80 + 132 + 175 + 144 + 100 + 198 + 2 + 72,
+      "f": 8 + 66, "P": 2 * 9 * 8, "P_scale": 8 + 9 * 8, "load_balance": 66 + 65 + 1,
+      "normaliser": 5 * (1 + 2 * 9 + 2 * 8), "p_squared": 2 * 9 * 8, "p_squared_scale": 19 + 8 + 72 + 1,
+      "mse": 2 * 66 + 65 + 1, "z": 2, "entropy": 4 * (1 + 9 + 8)}
+  # with the aux-free bias the choice expands the grid and takes the top k of every chapter
+  aux_free = moc_jax.load_config(TINY, {"memory.num_chapters": 66, "memory.num_tokens": 66 * 16,
+                                        "memory.router": "product", "memory.load_balance": "aux_free"})
+  choice = flops.estimate(aux_free, 1, 128)["memory_layer"]["memory"]["router"]
+  assert (choice["grid"], choice["top_k"]) == (9 * 8, 66 * 3) and "candidates" not in choice
   linear = flops.estimate(_config(66, 1, "linear"), 1, 128)["memory_layer"]["memory"]["router"]
   assert "grid" not in linear and linear["linear"] == 2 * 64 * 66
-  assert router["total"] - router["linear"] - router["grid"] == linear["total"] - linear["linear"]
+
+
+def test_flops_of_a_large_bank_grow_with_the_grid_not_the_logits():
+  """Per-position routing over 4,096 routable chapters: the product router's count is a small fraction of the
+  linear router's, whose [d, C] map, softmax and top-k run over every chapter at every position."""
+  big = {"memory.num_chapters": 4097, "memory.num_tokens": 4097 * 16, "memory.routing": "prefix"}
+  product, linear = (flops.estimate(moc_jax.load_config(TINY, {**big, "memory.router": r}), 1, 128)
+                     ["memory_layer"]["memory"] for r in ("product", "linear"))
+  total = lambda m: m["router"]["total"] + m["router_aux"]["total"]
+  assert total(product) < total(linear) / 10
 
 
 def test_unknown_router_is_one_clear_error():

@@ -63,6 +63,12 @@ def test_sweeps_scale_with_the_model():
   assert [p.name for p in demo][:3] == ["bank144-steps56", "bank144-steps112", "bank144-steps225"]
   assert len(demo) == 12 and [p.name for p in demo][-3:] == ["dense-steps56", "dense-steps112", "dense-steps225"]
   assert not demo[-1].config.memory.enabled
+  # bank_scale: the config's routable chapters x 1, 4, 16, 64 at the same read, seed by seed.
+  scale = sweeps.plan("configs/moc.py:tiny", "bank_scale")
+  assert [p.name for p in scale][:4] == ["bank1040-seed0", "bank4112-seed0", "bank16400-seed0", "bank65552-seed0"]
+  assert len(scale) == 12 and {(p.config.memory.top_k, p.config.memory.num_tokens // p.config.memory.num_chapters)
+                               for p in scale} == {(8, 16)}
+  assert values("262k", "bank_scale", "memory.num_chapters")[:4] == [4097, 16385, 65537, 262145]
   # The paper model's demo scales the decay start with the steps.
   assert sweeps.plan("configs/moc.py:262k", "demo")[0].config.train.decay_start_step == 8160 // 16
 
