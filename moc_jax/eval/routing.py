@@ -186,12 +186,16 @@ def stability(router, params, probes, tokenizer, config) -> list[dict]:
 # --- ablation -------------------------------------------------------------------------------------
 
 def parse_ablation(spec: str, config):
-  """`--ablate_chapters`: ("top", N) for `top:N`, or ("ids", [chapter ids]); ConfigError naming the fix."""
+  """`--ablate_chapters`: ("top", N) for `top:N`, ("routed", None) for `routed` (every routable chapter: the
+  bank's content without the shared chapters, to ask how much of the model's knowledge lives in it), or
+  ("ids", [chapter ids]); ConfigError naming the fix."""
   if not memory_layers(config):
     raise ConfigError("--ablate_chapters: this model has no memory bank")
   num_chapters = config.memory.num_chapters
-  fix = f"use comma-separated chapter ids in [0, {num_chapters}) or top:N"
+  fix = f"use comma-separated chapter ids in [0, {num_chapters}), top:N or routed"
   spec = spec.strip()
+  if spec == "routed":
+    return "routed", None
   if spec.startswith("top:"):
     if not spec[4:].isdigit() or int(spec[4:]) < 1:
       raise ConfigError(f"--ablate_chapters={spec!r}: N must be a positive integer — {fix}")
@@ -206,12 +210,15 @@ def parse_ablation(spec: str, config):
 
 
 def ablation_mask(parsed, usage: Usage):
-  """Chapters to zero [num_banks, num_chapters]: the ids in every bank, or per bank the N routable
-  chapters its memory layers selected most (only chapters selected at least once)."""
+  """Chapters to zero [num_banks, num_chapters]: the ids in every bank, every routable chapter of every bank,
+  or per bank the N routable chapters its memory layers selected most (only chapters selected at least once)."""
   kind, value = parsed
   mask = np.zeros((max(usage.banks) + 1, usage.counts.shape[1]), bool)
   if kind == "ids":
     mask[:, value] = True
+    return mask
+  if kind == "routed":
+    mask[:, usage.num_shared:] = True
     return mask
   for b in range(mask.shape[0]):
     counts = usage.counts[[i for i, bank in enumerate(usage.banks) if bank == b]].sum(axis=0)

@@ -118,10 +118,15 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
                                             probes, tokenizer, o.bucket_edges)
     if ablation:
       mask = ra.ablation_mask(ablation, usage)
-      ce = split_eval(ra.zero_chapters(params, mask))["ce"]
+      zeroed = ra.zero_chapters(params, mask)
+      ce = split_eval(zeroed)["ce"]
       report["ablation"] = {"spec": o.ablate_chapters,
                             "chapters": {str(b): np.flatnonzero(m).tolist() for b, m in enumerate(mask)},
                             "selections_share": _selection_share(usage, mask), "ce": ce, "ce_delta": ce - report["ce"]}
+      if probes:  # the same probes without those chapters: how much of the recall they hold
+        recall = _fact_recall(ProbeEvaluator(graphdef, probes, tokenizer), zeroed, o.bucket_edges)
+        report["ablation"].update(fact_recall=recall,
+                                  recall_delta=recall["probe_acc"] - report["fact_recall"]["probe_acc"])
   if jax.process_index() == 0:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
@@ -214,6 +219,8 @@ def markdown_table(report: dict) -> str:
   if ab:
     n = max(len(v) for v in ab["chapters"].values())
     lines += ["", f"ablation `{ab['spec']}` ({n} chapters zeroed): CE {report['ce']:.4f} -> {ab['ce']:.4f} "
-              f"({ab['ce_delta']:+.3g})"]
+              f"({ab['ce_delta']:+.3g})"
+              + (f"; fact recall {report['fact_recall']['probe_acc']:.3f} -> {ab['fact_recall']['probe_acc']:.3f}"
+                 if "fact_recall" in ab else "")]
   lines += [""] + [f"{k}: {v}" for k, v in report["files"].items()]
   return "\n".join(lines)

@@ -116,6 +116,9 @@ def test_ablating_unused_chapters_changes_nothing_and_used_ones_change_the_loss(
   assert top.sum() == 3 and not top[0, :setup.config.memory.num_shared].any() and used[top[0]].all()
   changed = setup.ce(ra.zero_chapters(setup.params, top))
   assert changed != base and math.isfinite(changed)
+  routed = ra.ablation_mask(("routed", None), setup.usage)
+  assert routed[:, setup.config.memory.num_shared:].all() and not routed[:, :setup.config.memory.num_shared].any()
+  assert setup.ce(ra.zero_chapters(setup.params, routed)) not in (base, changed)
 
 
 def test_zeroing_keeps_the_device_layout_and_zeroes_only_the_named_chapters(setup):
@@ -159,6 +162,7 @@ def test_usage_statistics_by_hand():
   assert a["top_chapters"] == [[1, 4], [2, 4]]
   assert (a["max_load"], b["max_load"]) == (2.0, 1.0)  # most used routable chapter over the routable mean
   assert ra.ablation_mask(("top", 3), usage).tolist() == [[False, True, True, True, False]]
+  assert ra.ablation_mask(("routed", None), usage).tolist() == [[False, True, True, True, True]]  # unused ones too
 
 
 def test_decision_masks_and_jaccard_by_hand():
@@ -183,9 +187,10 @@ def test_stability_prompts_use_another_template_and_another_entity():
                                          ("3,65", "in range"), ("a,b", "in range"), ("", "in range")])
 def test_bad_ablation_specs_name_the_fix(spec, match):
   cfg = moc_jax.load_config("configs/moc.py:tiny")
-  with pytest.raises(ConfigError, match=f"--ablate_chapters.*{match}.*top:N"):
+  with pytest.raises(ConfigError, match=f"--ablate_chapters.*{match}.*top:N or routed"):
     ra.parse_ablation(spec, cfg)
   assert ra.parse_ablation("3, 17", cfg) == ("ids", [3, 17]) and ra.parse_ablation("top:4", cfg) == ("top", 4)
+  assert ra.parse_ablation(" routed", cfg) == ("routed", None)
   with pytest.raises(ConfigError, match="no memory bank"):
     ra.parse_ablation("1", moc_jax.load_config("configs/vanilla.py:tiny"))
 

@@ -88,7 +88,10 @@ def test_cli_reports_the_training_evaluation_mcq_and_routing(run, tmp_path):
     assert layer["counts"][0] == 0  # the shared chapter is not counted
   assert [s["layer"] for s in report["routing"]["stability"]] == [1, 3]
   assert all(0 <= s["paraphrase_jaccard"] <= 1 for s in report["routing"]["stability"])
-  assert report["ablation"]["chapters"]["0"] and report["ablation"]["ce"] != report["ce"]
+  ab = report["ablation"]
+  assert ab["chapters"]["0"] and ab["ce"] != report["ce"]
+  assert ab["fact_recall"]["num_probes"] == 8  # the same probes, scored without the ablated chapters
+  assert ab["recall_delta"] == pytest.approx(ab["fact_recall"]["probe_acc"] - fr["probe_acc"])
   for key in ("routing_heatmap", "routing_usage"):
     assert open(report["files"][key], "rb").read(4) == b"\x89PNG"
     assert report["files"][key] in proc.stdout
