@@ -14,7 +14,8 @@ launch/sweep.py: finished runs are skipped, interrupted ones resume):
 Every point runs once per seed. The chosen arm is the causal MoC arm of `arms` with the highest mean fact
 recall, the goal's metric (lower validation CE breaks a tie); --moc names any arm instead. Each MoC run is then
 evaluated by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of
-fact prompts' chapters with a paraphrase's and with another entity's). DIR/<stage>/results.md holds a stage's
+fact prompts' chapters with a paraphrase's and with another entity's), and once more with every routable chapter
+zeroed: the recall the bank holds. DIR/<stage>/results.md holds a stage's
 tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the three tables across seeds and each
 goal of the routing work, met or not, with its numbers.
 """
@@ -76,12 +77,13 @@ def _plan(spec, stage, size, arm=None):
 
 
 def _evaluate(workdirs, parallel):
-  """`python -m moc_jax.eval` on each MoC run without an eval.json, `parallel` at a time (log: eval.log)."""
+  """`python -m moc_jax.eval` on each MoC run without an eval.json, `parallel` at a time (log: eval.log), with
+  every routable chapter also zeroed once (`--ablate_chapters=routed`): the recall the bank holds."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
 
   def one(workdir):
     with open(os.path.join(workdir, "eval.log"), "w") as log:
-      rc = subprocess.run([sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"], check=False,
+      rc = subprocess.run([sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}", "--ablate_chapters=routed"], check=False,
                           stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     return workdir, rc
 
@@ -185,6 +187,19 @@ def goals(chosen, bank_groups, budget_groups) -> list[dict]:
   return out
 
 
+def held_by_bank(budget_groups) -> list[str]:
+  """Where MoC's recall lives: its recall at each budget against the same runs' with every routable chapter zeroed."""
+  rows = sorted((g["overrides"]["train.steps"], g) for g in budget_groups
+                if g["kind"] == "moc" and "recall_without_bank" in g)
+  if not rows:
+    return []
+  cell = lambda g, k: f"{g[k]:.3f}" + ("" if math.isnan(g[k + "_se"]) else f" ± {g[k + '_se']:.3f}")
+  return ["Where MoC's recall lives (`python -m moc_jax.eval --ablate_chapters=routed`: every routable chapter "
+          "zeroed):", "", "| steps | fact recall | without the bank | held by the bank |", "|---:|---:|---:|---:|",
+          *(f"| {steps} | {cell(g, 'fact_recall')} | {cell(g, 'recall_without_bank')} | "
+            f"{g['fact_recall'] - g['recall_without_bank']:+.3f} |" for steps, g in rows), ""]
+
+
 def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   from moc_jax import sweep_report
   flag = " --quick" if size_name == "quick" else ""
@@ -206,6 +221,7 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
         lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}; {causal}).", ""]
   lines += ["## Goals", "", "| goal | met | numbers |", "|---|---|---|"]
   lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['detail']} |" for g in goal_list]
+  lines += ["", *held_by_bank(stages.get("budget", {}).get("groups", []))]
   total = sum(s["wall_s"] + s["eval_s"] for s in stages.values())
   return "\n".join(lines + ["", f"Wall time of the runs and evaluations, summed: {total:,.0f} s.", ""])
 

@@ -22,11 +22,12 @@ CONFIDENCE = 0.95
 COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
            "params_total", "params_active", "val_ce", "fact_recall", "exact_match", "router_used_frac",
            "router_shared_mass", "eval_used_frac", "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard",
-           "wall_s", "note")
+           "recall_without_bank", "wall_s", "note")
 SEED_METRICS = ("val_ce", "fact_recall", "exact_match", "router_used_frac", "router_shared_mass", "eval_used_frac",
-                "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard")
+                "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard", "recall_without_bank")
 SEED_HEADERS = ("val CE", "fact recall", "exact match", "chapters read (train window)", "shared-chapter mass",
-                "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase", "Jaccard other entity")
+                "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase", "Jaccard other entity",
+                "recall without the bank")
 # (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
 FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
         ("bank", "bank_tokens", sweeps.BANK_KEYS, "bank tokens"),
@@ -119,12 +120,14 @@ def _router_health(workdir) -> dict:
 def _eval_routing(workdir) -> dict:
   """From WORKDIR/eval.json, when `python -m moc_jax.eval --workdir=WORKDIR` wrote one: routing over the
   evaluation split averaged over memory layers (chapters ever read, max/mean load) and the stability of fact
-  prompts' chapters (Jaccard overlap with a paraphrase and with another entity)."""
+  prompts' chapters (Jaccard overlap with a paraphrase and with another entity); with `--ablate_chapters=routed`,
+  the fact recall with every routable chapter zeroed (how much of the recall the bank holds)."""
   path = os.path.join(workdir, "eval.json")
   if not os.path.isfile(path):
     return {}
   with open(path) as f:
-    routing = json.load(f).get("routing") or {}
+    report = json.load(f)
+  routing = report.get("routing") or {}
   layers, stability = routing.get("layers", []), routing.get("stability", [])
   out = {}
   for key, rows, field in (("eval_used_frac", layers, "chapters_selected_frac"), ("eval_max_load", layers, "max_load"),
@@ -133,6 +136,9 @@ def _eval_routing(workdir) -> dict:
     values = [r[field] for r in rows if field in r]
     if values:
       out[key] = float(np.mean(values))
+  ablation = report.get("ablation") or {}
+  if ablation.get("spec") == "routed" and "fact_recall" in ablation:
+    out["recall_without_bank"] = ablation["fact_recall"]["probe_acc"]
   return out
 
 
@@ -198,7 +204,7 @@ def _cell(key, value):
   if key == "val_ce":
     return f"{value:.4f}"
   if key in ("fact_recall", "exact_match", "router_used_frac", "router_shared_mass", "eval_used_frac", "eval_max_load",
-             "paraphrase_jaccard", "other_entity_jaccard"):
+             "paraphrase_jaccard", "other_entity_jaccard", "recall_without_bank"):
     return f"{value:.3f}"
   if key == "wall_s":
     return f"{value:.0f}"
@@ -223,7 +229,7 @@ def markdown(title, rows, fit_list, plots) -> str:
   header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
             "params total", "params active", "val CE", "fact recall", "exact match", "chapters read",
             "shared-chapter mass", "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase",
-            "Jaccard other entity", "wall s")
+            "Jaccard other entity", "recall without the bank", "wall s")
   lines = [f"# {title}", "", f"{len(rows)} runs, {sum(r['status'] == 'done' for r in rows)} finished. Validation CE "
            "(nats/token) and fact recall (likelihood choice; exact match: greedy) at the last step; training FLOPs "
            "= the estimator's model FLOPs per token (forward + backward, memory as read) x tokens; active "

@@ -79,3 +79,13 @@ def test_goals_missed_each_by_its_own_measure():
   assert [g["met"] for g in result] == [False, False, False, False]
   assert "0.940 read, max / mean load 4.60" in result[0]["detail"]
   assert not evidence.goals(chosen, bank[:3], [])[3]["met"]  # three sizes are not enough
+
+
+def test_recall_held_by_the_bank_per_budget():
+  """MoC's recall against the same runs' with the routable bank zeroed, by budget; dense points have none."""
+  budget = _budget(0.60, 0.01, 0.55, 0.015, 900) + _budget(0.5, 0.02, 0.5, 0.02, 450)
+  budget[0].update(recall_without_bank=0.45, recall_without_bank_se=0.02)
+  budget[2].update(recall_without_bank=0.5, recall_without_bank_se=math.nan)
+  lines = evidence.held_by_bank(budget)
+  assert lines[4:6] == ["| 450 | 0.500 ± 0.020 | 0.500 | +0.000 |", "| 900 | 0.600 ± 0.010 | 0.450 ± 0.020 | +0.150 |"]
+  assert evidence.held_by_bank(budget[1::2]) == []  # no MoC point was ablated

@@ -163,12 +163,15 @@ def test_collect_averages_seeds_with_standard_errors(tmp_path):
         json.dump({"routing": {"layers": [{"chapters_selected_frac": 0.9, "max_load": 2.0},
                                           {"chapters_selected_frac": 0.7, "max_load": 3.0}],
                                "stability": [{"paraphrase_jaccard": 0.5, "other_entity_jaccard": 0.25 + i / 100},
-                                             {"paraphrase_jaccard": 0.3, "other_entity_jaccard": 0.25}]}}, f)
+                                             {"paraphrase_jaccard": 0.3, "other_entity_jaccard": 0.25}]},
+                   "ablation": {"spec": "routed", "fact_recall": {"probe_acc": 0.5 - i / 100}}}, f)
   text = sweep_report.collect(sweep_dir, str(tmp_path / "out"))
   groups = {g["point"]: g for g in csv.DictReader(open(tmp_path / "out" / "seeds.csv"))}
   af = groups["aux_free-segment"]
   assert [float(af[k]) for k in ("eval_used_frac", "eval_max_load", "paraphrase_jaccard")] == pytest.approx([0.8, 2.5, 0.4])
   assert float(af["other_entity_jaccard"]) == pytest.approx(0.25 + 0.04 / 2)  # i = 3, 4, 5 on the first layer
+  assert float(af["recall_without_bank"]) == pytest.approx(0.5 - 0.04)  # the `routed` ablation's recall
+  assert groups["dense"]["recall_without_bank"] == ""
   assert set(groups) == {"dense", "aux_free-segment"} and groups["dense"]["n"] == "3"
   se = np.std([1.0, 1.1, 1.2], ddof=1) / math.sqrt(3)
   assert float(groups["dense"]["val_ce"]) == pytest.approx(1.1) and float(groups["dense"]["val_ce_se"]) == pytest.approx(se)
