@@ -165,7 +165,8 @@ BANK_SCALE = (1, 4, 16, 64)  # the `bank_scale` sweep's routable chapters, in mu
 def _bank_scale(c):
   """Banks beyond the config's, at its chapter size and read (so the same k·T tokens are read): the config's
   routable chapters x 1, 4, 16 and 64, once per seed; 1,040 to 65,552 tokens for tiny. Meant for
-  `memory.router=product`, whose cost does not grow with the bank (docs/routing.md#banks-beyond-the-config)."""
+  `memory.router=product`, whose router cost does not grow with the bank
+  (docs/routing.md#banks-beyond-the-config-at-a-fixed-read-bank_scale-product-router)."""
   mem = c.memory
   per_chapter = mem.num_tokens // mem.num_chapters
   chapters = [mem.num_shared + m * (mem.num_chapters - mem.num_shared) for m in BANK_SCALE]

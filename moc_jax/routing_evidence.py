@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import math
 import os
 import re
@@ -76,18 +77,26 @@ def _plan(spec, stage, size, arm=None):
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
+def _read_json(path) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def _evaluate(workdirs, parallel):
-  """`python -m moc_jax.eval` on each MoC run without an eval.json, `parallel` at a time (log: eval.log), with
-  every routable chapter also zeroed once (`--ablate_chapters=routed`): the recall the bank holds."""
+  """`python -m moc_jax.eval` on each MoC run whose eval.json is missing or has no ablation (written before the
+  harness asked for one), `parallel` at a time (log: eval.log), with every routable chapter also zeroed once
+  (`--ablate_chapters=routed`): the recall the bank holds."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
 
   def one(workdir):
     with open(os.path.join(workdir, "eval.log"), "w") as log:
-      rc = subprocess.run([sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}", "--ablate_chapters=routed"], check=False,
-                          stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+      command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}", "--ablate_chapters=routed"]
+      rc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     return workdir, rc
 
-  todo = [w for w in workdirs if not os.path.exists(os.path.join(w, "eval.json"))]
+  todo = [w for w in workdirs if "ablation" not in _read_json(os.path.join(w, "eval.json"))]
   with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     failed = [w for w, rc in pool.map(one, todo) if rc]
   if failed:

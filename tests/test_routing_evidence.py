@@ -1,7 +1,9 @@
 """The routing evidence harness's verdicts (moc_jax/routing_evidence.py): the chosen arm, gaps in standard
 errors and each goal met or not, on hand-made seed groups. The harness end to end runs in CI
 (`python -m moc_jax.routing_evidence --quick`, .ci/run)."""
+import json
 import math
+import subprocess
 
 import pytest
 
@@ -87,5 +89,21 @@ def test_recall_held_by_the_bank_per_budget():
   budget[0].update(recall_without_bank=0.45, recall_without_bank_se=0.02)
   budget[2].update(recall_without_bank=0.5, recall_without_bank_se=math.nan)
   lines = evidence.held_by_bank(budget)
-  assert lines[4:6] == ["| 450 | 0.500 ± 0.020 | 0.500 | +0.000 |", "| 900 | 0.600 ± 0.010 | 0.450 ± 0.020 | +0.150 |"]
+  assert lines[4:6] == ["| 450 | 0.500 ± 0.020 | 0.500 | +0.000 |",
+                        "| 900 | 0.600 ± 0.010 | 0.450 ± 0.020 | +0.150 |"]
   assert evidence.held_by_bank(budget[1::2]) == []  # no MoC point was ablated
+
+
+def test_evaluates_runs_without_an_ablated_eval_json(tmp_path, monkeypatch):
+  """A run is evaluated unless its eval.json already has the bank knocked out; the command asks for it."""
+  runs = {name: tmp_path / name for name in ("new", "old", "done")}
+  for run in runs.values():
+    run.mkdir()
+  (runs["old"] / "eval.json").write_text(json.dumps({"ce": 1.0}))
+  (runs["done"] / "eval.json").write_text(json.dumps({"ce": 1.0, "ablation": {"spec": "routed"}}))
+  commands = []
+  monkeypatch.setattr(evidence.subprocess, "run",
+                      lambda command, **kw: commands.append(command) or subprocess.CompletedProcess(command, 0))
+  evidence._evaluate([str(r) for r in runs.values()], 1)
+  assert [c[-2:] for c in commands] == [[f"--workdir={runs['new']}", "--ablate_chapters=routed"],
+                                        [f"--workdir={runs['old']}", "--ablate_chapters=routed"]]
