@@ -2,7 +2,7 @@
 
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5), `small` and `tiny` (CPU work).
 Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing, bank_seeds, bank_scale,
-budget) run through launch/sweep.py.
+budget, bank_lr) run through launch/sweep.py.
 """
 from moc_jax.config import schema
 
@@ -184,6 +184,17 @@ def _budget(c):
   return _seeds(points)
 
 
+BANK_LR_MULTIPLES = (0, 0.01, 0.1, 1, 10)  # the `bank_lr` sweep's bank LRs, in multiples of train.memory_lr
+
+
+def _bank_lr(c):
+  """How fast the bank should learn: its LR at 0 (a fixed random bank), 0.01x, 0.1x, 1x and 10x the memory
+  layers', once per seed. The bank's tokens are RMS-normalised before they are read, so only their direction
+  counts, and an Adam step of a given LR turns a token of small norm further
+  (docs/routing.md#how-fast-the-bank-learns-bank_lr)."""
+  return _seeds([{"train.bank_lr": float(f"{m * c.train.memory_lr:.6g}")} for m in BANK_LR_MULTIPLES])
+
+
 # Retention (docs/retention.md, `python -m moc_jax.retention`): pre-train on facts A, finetune on new facts B.
 RETENTION_FACTS = {"data.facts.num_entities": 32, "data.facts.zipf_a": 0.5}  # facts A; B: the same sizes, seed 1
 RETENTION_MOC = {"memory.load_balance": "routed", "memory.routing": "segment"}  # the best router of docs/routing.md
@@ -210,6 +221,7 @@ def _retention_finetune(c):
 
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
           "routing": _routing, "bank_seeds": _bank_seeds, "bank_scale": _bank_scale, "budget": _budget,
+          "bank_lr": _bank_lr,
           "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
 
 

@@ -64,6 +64,12 @@ def group_lrs(t) -> dict[str, float]:
           "bank": t.memory_lr if t.bank_lr is None else t.bank_lr}
 
 
+def group_weight_decays(t) -> dict[str, float]:
+  """Every group decays at train.weight_decay (MoC-PT) except the bank under train.bank_weight_decay."""
+  bank = t.weight_decay if t.bank_weight_decay is None else t.bank_weight_decay
+  return {"base": t.weight_decay, "memory": t.weight_decay, "bank": bank}
+
+
 def group_labels(params):
   """Same-structure tree of 'base' | 'memory' | 'bank' labels for an nnx.State of params."""
   return nnx.map_state(lambda path, _: param_groups(path), params)
@@ -296,8 +302,9 @@ def make_optimizer(t, params):
   def group_tx(lr, *direction):
     return optax.chain(*direction, optax.scale_by_schedule(lambda s: -lr * lam(s)))
 
-  adamw = (optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps), optax.add_decayed_weights(t.weight_decay))
-  transforms = {g: group_tx(lrs[g], *adamw) for g in GROUPS}
+  wds = group_weight_decays(t)
+  transforms = {g: group_tx(lrs[g], optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
+                            optax.add_decayed_weights(wds[g])) for g in GROUPS}
   if t.freeze_bank:
     transforms["bank"] = optax.set_to_zero()
   lazy = t.bank_optimizer in ("lazy_adam", "smf") and not t.freeze_bank
@@ -309,7 +316,7 @@ def make_optimizer(t, params):
   groups = optax.multi_transform(transforms, labels)
   if lazy:
     return LazyBankOptimizer(groups, lambda s: -lrs["bank"] * lam(s), t.clip_norm, t.b1, t.b2, t.eps,
-                             t.weight_decay)
+                             wds["bank"])
   chain = [optax.clip_by_global_norm(t.clip_norm)] if t.clip_norm > 0 else []
   return optax.chain(*chain, groups)
 

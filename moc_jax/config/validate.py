@@ -131,6 +131,9 @@ def _validate_train(c):
     _positive(c, f"train.{f}", allow_zero=True)
   if t.bank_lr is not None and t.bank_lr < 0:
     _fail("train.bank_lr", f"must be >= 0 or None, got {t.bank_lr}", "use 0 for a frozen bank, None for memory_lr")
+  if t.bank_weight_decay is not None and t.bank_weight_decay < 0:
+    _fail("train.bank_weight_decay", f"must be >= 0 or None, got {t.bank_weight_decay}",
+          "use 0 for no decay on the bank, None for train.weight_decay")
   _enum(c, "train.schedule", SCHEDULES)
   _validate_bank_optimizer(c)
   if t.warmup_steps > t.steps:

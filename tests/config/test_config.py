@@ -59,6 +59,7 @@ REJECTIONS += [
     ("train_steps_negative", {"train.steps": -1}, "train.steps"),
     ("train_lr_negative", {"train.base_lr": -1e-3}, "train.base_lr"),
     ("train_bank_lr_negative", {"train.bank_lr": -1.0}, "train.bank_lr"),
+    ("train_bank_weight_decay_negative", {"train.bank_weight_decay": -0.1}, "train.bank_weight_decay"),
     ("train_unknown_schedule", {"train.schedule": "step"}, "train.schedule"),
     ("train_warmup_over_steps", {"train.steps": 10, "train.warmup_steps": 11}, "train.warmup_steps"),
     ("train_decay_ratio_out_of_range", {"train.decay_start_ratio": 1.5}, "train.decay_start_ratio"),

@@ -69,6 +69,12 @@ def test_sweeps_scale_with_the_model():
   assert len(scale) == 12 and {(p.config.memory.top_k, p.config.memory.num_tokens // p.config.memory.num_chapters)
                                for p in scale} == {(8, 16)}
   assert values("262k", "bank_scale", "memory.num_chapters")[:4] == [4097, 16385, 65537, 262145]
+  # bank_lr: 0, 0.01x, 0.1x, 1x, 10x the memory LR, seed by seed.
+  bank_lr = sweeps.plan("configs/moc.py:tiny", "bank_lr")
+  assert [p.name for p in bank_lr][:6] == ["banklr0.0-seed0", "banklr3e_05-seed0", "banklr0.0003-seed0",
+                                           "banklr0.003-seed0", "banklr0.03-seed0", "banklr0.0-seed1"]
+  assert len(bank_lr) == 15 and {p.config.train.bank_weight_decay for p in bank_lr} == {None}
+  assert values("262k", "bank_lr", "train.bank_lr")[:5] == [0.0, 6e-6, 6e-5, 6e-4, 6e-3]
   # The paper model's demo scales the decay start with the steps.
   assert sweeps.plan("configs/moc.py:262k", "demo")[0].config.train.decay_start_step == 8160 // 16
 

@@ -163,3 +163,29 @@ def test_decoupled_weight_decay_matches_torch_adamw():
   m_hat, v_hat = g, g * g
   want = p - 1e-2 * 0.1 * p - 1e-2 * m_hat / (np.sqrt(v_hat) + 1e-8)
   np.testing.assert_allclose(np.asarray(new["final_norm"]["scale"][...]), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bank_optimizer", ["dense", "lazy_adam"])
+def test_bank_weight_decay_applies_to_the_bank_alone(bank_optimizer):
+  """train.bank_weight_decay replaces train.weight_decay on the bank only: one hand-computed AdamW step
+  (zero gradient, so the step is the decay alone) on a bank row and on a base parameter, in float64."""
+  c = _train_cfg(**{"train.schedule": "constant", "train.base_lr": 1e-2, "train.memory_lr": 1e-2,
+                    "train.bank_lr": 3e-2, "train.clip_norm": 0.0, "train.weight_decay": 0.1,
+                    "train.bank_weight_decay": 0.25, "train.bank_optimizer": bank_optimizer})
+  model = moc_jax.build_model(c)
+  _, params = nnx.split(model, nnx.Param)
+  tx = optim.make_optimizer(c.train, params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  if bank_optimizer == "dense":
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+  else:  # every chapter read, so the lazy step decays every row
+    bank_grad = jax.tree.leaves(optim.split_bank(grads)[0])[0]
+    rest_grads = optim.split_bank(grads)[1]
+    read = jnp.ones(bank_grad.shape[:2], bool)
+    new, _ = tx.apply(params, tx.init(params), rest_grads, bank_grad, read, jnp.zeros(()), jnp.asarray(True))
+  (bank_path, bank), = _by_group(params)["bank"]
+  (_, bank_new), = _by_group(new)["bank"]
+  np.testing.assert_allclose(bank_new, np.float64(bank) * (1 - 3e-2 * 0.25), rtol=1e-6)
+  scale = np.asarray(params["final_norm"]["scale"][...], np.float64)
+  np.testing.assert_allclose(np.asarray(new["final_norm"]["scale"][...]), scale * (1 - 1e-2 * 0.1), rtol=1e-6)
