@@ -6,7 +6,7 @@ direction is all that counts: a mean cosine near 1 says the bank is still about 
 its learning rate; the RMS says how far an Adam step of that LR turns it (a step of a given size turns a
 short token further). docs/routing.md#how-fast-the-bank-learns-bank_lr reads the `bank_lr` sweep with it.
 
-  python -m moc_jax.bench.bank_motion WORKDIR [WORKDIR ...]
+  python -m moc_jax.eval.bank_motion WORKDIR [WORKDIR ...]
 
 One line per workdir and saved step, and with --json one JSON object per line. The initial draw is the
 config's (config.json's `seed`); a run started from other weights (`train.init_from`) did not start there.

@@ -8,7 +8,7 @@ from flax import nnx
 import moc_jax
 from moc_jax import sharding
 from moc_jax import state as state_lib
-from moc_jax.bench import bank_motion
+from moc_jax.eval import bank_motion
 from moc_jax.checkpoint import Checkpointer
 from tests.train import train_utils as tu
 
