@@ -132,8 +132,8 @@ def base_config():
   t.bank_state_memory = "device"
   t.smf_background = config_dict.placeholder(str)  # smf: background counts; None -> <init_from>/bank_background.json
   t.weight_decay = 0.1
-  # the bank's decoupled weight decay; None -> weight_decay (MoC-PT). Memory-layer work (PKM, MIDUS) uses 0:
-  # a chapter is read by few updates, so decay applied at every update outweighs its rare gradient steps
+  # the bank's decoupled weight decay; None -> weight_decay (MoC-PT, every parameter alike). PKM-style memory
+  # layers use 0 on their values; docs/routing.md#how-fast-the-bank-learns-bank_lr measures both here
   t.bank_weight_decay = config_dict.placeholder(float)
   t.b1, t.b2, t.eps = 0.9, 0.95, 1e-8
   t.clip_norm = 1.0              # 0 disables clipping

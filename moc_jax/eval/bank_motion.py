@@ -25,13 +25,13 @@ from moc_jax.errors import ConfigError
 from moc_jax.state import build_state, restore_params
 
 
-def bank_of(params) -> np.ndarray:
-  """The bank values of a params state as float64 [banks, chapters, tokens, dim] (the chapter padding,
-  if any, is all zeros and dropped by the caller's cosine)."""
+def bank_of(params, num_chapters) -> np.ndarray:
+  """The bank values of a params state as float64 [banks, chapters, tokens, dim], without the chapters a
+  sharded layout pads it with."""
   banks = [np.asarray(v[...], np.float64) for path, v in nnx.to_flat_state(params) if "bank" in path]
   if not banks:
     raise ConfigError("the run has no memory bank (memory.enabled=False): give a MoC run's workdir")
-  return banks[0]
+  return banks[0][:, :num_chapters]
 
 
 def mean_cosine(a, b) -> float:
@@ -48,10 +48,11 @@ def motion(workdir: str) -> list[dict]:
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = build_state(config, mesh)
-    init = bank_of(layout.init()["params"])
+    chapters = config.memory.num_chapters
+    init = bank_of(layout.init()["params"], chapters)
     rows, previous = [], None
     for step in saved_steps(checkpoint_dir(workdir)):
-      bank = bank_of(restore_params(workdir, layout, step)[0])
+      bank = bank_of(restore_params(workdir, layout, step)[0], chapters)
       rows.append({"step": step, "rms": float(np.sqrt(np.mean(np.square(bank)))),
                    "cos_init": mean_cosine(bank, init),
                    "cos_previous": None if previous is None else mean_cosine(bank, previous)})
