@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import json
 import math
 import os
 import re
@@ -77,13 +76,6 @@ def _plan(spec, stage, size, arm=None):
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
-def _read_json(path) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
-
-
 def _evaluate(workdirs, parallel):
   """`python -m moc_jax.eval` on each MoC run whose eval.json is missing or has no ablation (written before the
   harness asked for one), `parallel` at a time (log: eval.log), with every routable chapter also zeroed once
@@ -96,7 +88,8 @@ def _evaluate(workdirs, parallel):
       rc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     return workdir, rc
 
-  todo = [w for w in workdirs if "ablation" not in _read_json(os.path.join(w, "eval.json"))]
+  from moc_jax import sweep_report
+  todo = [w for w in workdirs if "ablation" not in sweep_report.eval_report(w)]
   with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     failed = [w for w, rc in pool.map(one, todo) if rc]
   if failed:

@@ -117,16 +117,21 @@ def _router_health(workdir) -> dict:
   return out
 
 
+def eval_report(workdir) -> dict:
+  """WORKDIR/eval.json as `python -m moc_jax.eval --workdir=WORKDIR` wrote it; {} when there is none."""
+  path = os.path.join(workdir, "eval.json")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
 def _eval_routing(workdir) -> dict:
   """From WORKDIR/eval.json, when `python -m moc_jax.eval --workdir=WORKDIR` wrote one: routing over the
   evaluation split averaged over memory layers (chapters ever read, max/mean load) and the stability of fact
   prompts' chapters (Jaccard overlap with a paraphrase and with another entity); with `--ablate_chapters=routed`,
   the fact recall with every routable chapter zeroed (how much of the recall the bank holds)."""
-  path = os.path.join(workdir, "eval.json")
-  if not os.path.isfile(path):
-    return {}
-  with open(path) as f:
-    report = json.load(f)
+  report = eval_report(workdir)
   routing = report.get("routing") or {}
   layers, stability = routing.get("layers", []), routing.get("stability", [])
   out = {}
