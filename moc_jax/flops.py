@@ -29,6 +29,7 @@ from moc_jax.config import bank_ids, memory_layers, router_factors
 SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
 MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
 SWIGLU = 5      # per hidden element: SiLU 4 + the gate product 1
+POOL_WEIGHT = 5  # attention pooling, per position: cap (divide, tanh, multiply), exp, mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,14 @@ def _grid_choice(mem, n, a, b):
           "candidates": Flops(n * candidates), **weights}
 
 
+def _pool_weights(t, d):
+  """`memory.routing_pool=attention` over t positions (our count): the parameter-free RMS norm of each input, its
+  dot with the query, the capped exponential (divide, tanh, multiply, exp) and the mask, then the weight on each
+  input's d elements."""
+  return {"pool_norm": rms_norm(t, d), "pool_scores": linear(t, d, 1),
+          "pool_weights": Flops(t * (POOL_WEIGHT + d))}
+
+
 def _router(c, b, l):
   """Router and its statistics. Sequence routing: one decision per row (as MoC-PT counts it). Per-position routing
   (not in MoC-PT's estimator; our count): one decision per position (token, prefix) or per chunk,
@@ -183,13 +192,17 @@ def _router(c, b, l):
   else:
     decisions = b * (l if mem.routing != "chunk" else -(-l // mem.routing_chunk))
     pool = Flops(0) if mem.routing == "token" else Flops(b * l * (d + 1) + decisions * d)
+  if mem.routing_pool == "attention":  # our count: each position's score and its weight on the pooled input
+    pool = {"pool": pool, **_pool_weights(b * l, d)}
+  else:
+    pool = {"pool": pool}
   if mem.router == "linear":
-    return ({"pool": pool, "linear": linear(decisions, d, mem.num_chapters),
+    return ({**pool, "linear": linear(decisions, d, mem.num_chapters),
              "softmax": softmax(decisions * mem.num_chapters), "top_k": top_k(decisions, mem.num_chapters, mem.top_k)},
             router_aux(decisions, mem.num_chapters, mem.top_k))
   a, b_ = router_factors(c)
   s, routable = mem.num_shared, mem.num_chapters - mem.num_shared
-  return ({"pool": pool, "linear": linear(decisions, d, s + a + b_), **_grid_choice(mem, decisions, a, b_)},
+  return ({**pool, "linear": linear(decisions, d, s + a + b_), **_grid_choice(mem, decisions, a, b_)},
           grid_router_aux(decisions, s, a, b_, routable, mem.top_k))
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-STEP_STATS = ("shared_mass", "routed_entropy", "bias_spread")  # per memory layer, from the model's router stats
+# per memory layer, from the model's router stats (bias_spread: aux-free balancing; pool_share: attention pooling)
+STEP_STATS = ("shared_mass", "routed_entropy", "bias_spread", "pool_share")
 COLLAPSED_USED_FRAC = 0.25     # fewer routable chapters than this share read over a window
 COLLAPSED_SHARED_MASS = 0.9    # more router probability than this on the shared chapters
 

@@ -24,6 +24,7 @@ CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend o
 DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
 SHARDED_READS = ("auto", "ring", "scatter")
 LOAD_BALANCES = ("mocpt", "routed", "aux_free")
+ROUTING_POOLS = ("mean", "attention")
 ROUTERS = ("linear", "product")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -96,6 +97,9 @@ def base_config():
   # token | prefix | chunk: causal (prefix and chunk pool within the position's document)
   mem.routing = "sequence"
   mem.routing_chunk = 64         # chunk routing: positions per routing decision
+  # what a pooled decision (every routing but token) averages: mean (MoC-PT's: every position alike) | attention
+  # (each position weighted by exp of a learned query's score on it, capped; the query starts at zero = mean)
+  mem.routing_pool = "mean"
   # cached decoding: auto (the training routing if causal, else sequence) | sequence (routed once on the
   # prompt) | rolling | hybrid (MoC-PT's decode-only strategies) | token | prefix | chunk
   mem.decode_routing = "auto"

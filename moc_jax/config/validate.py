@@ -9,7 +9,7 @@ import jax
 
 from moc_jax.config.plan import bank_ids, layer_plan, memory_layers, router_factors
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
-                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTERS, ROUTINGS, SCHEDULES,
+                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTERS, ROUTING_POOLS, ROUTINGS, SCHEDULES,
                                    SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
@@ -81,6 +81,7 @@ def _validate_memory(c):
   _enum(c, "memory.token_norm", TOKEN_NORMS)
   _enum(c, "memory.routing", ROUTINGS)
   _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
+  _enum(c, "memory.routing_pool", ROUTING_POOLS)
   _enum(c, "memory.sharded_read", SHARDED_READS)
   _enum(c, "memory.load_balance", LOAD_BALANCES)
   _enum(c, "memory.router", ROUTERS)
@@ -91,6 +92,9 @@ def _validate_memory(c):
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef",
             "aux_free_rate"):
     _positive(c, f"memory.{f}", allow_zero=True)
+  if mem.routing_pool == "attention" and mem.routing == "token":
+    _fail("memory.routing_pool", "attention pooling with token routing, which pools nothing (each position routes "
+          "on its own input)", "use routing_pool=mean, or a pooled routing (prefix, chunk, segment, sequence)")
   if mem.dim is not None and mem.dim <= 0:
     _fail("memory.dim", f"must be > 0 or None, got {mem.dim}", "leave it None to use d_model")
   if mem.num_tokens % mem.num_chapters:

@@ -18,7 +18,8 @@ def split_batches(config, split: str) -> list[dict]:
                                          max_batches=config.train.eval_batches))
 
 
-ROUTING_STATS = ("shared_mass", "routed_entropy")  # per memory layer and batch, averaged by eval.routing.Usage
+# per memory layer and batch, averaged by eval.routing.Usage (pool_share: with memory.routing_pool=attention)
+ROUTING_STATS = ("shared_mass", "routed_entropy", "pool_share")
 
 
 class CEEvaluator:
@@ -36,7 +37,7 @@ class CEEvaluator:
         return nll, count
       if "chapters" not in aux:
         return nll, count, None
-      return nll, count, {k: everywhere(aux[k]) for k in ("chapters", *ROUTING_STATS)}
+      return nll, count, {k: everywhere(aux[k]) for k in ("chapters", *ROUTING_STATS) if k in aux}
 
     self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
 

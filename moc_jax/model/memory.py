@@ -33,8 +33,8 @@ from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
 from moc_jax.model.quantize import dequantize
 from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, grid_route, grid_router_losses,
-                                   mix_weights, per_position, resolve_decode_routing, route, router_losses,
-                                   routing_input, with_shared)
+                                   mix_weights, per_position, pool_share, resolve_decode_routing, route,
+                                   router_losses, routing_input, with_shared)
 from moc_jax.sharding import current
 
 
@@ -195,11 +195,16 @@ class MemoryLayer(nnx.Module):
     return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
   def __call__(self, h, route_input, bank, valid=None, segments=None):
-    pooled = routing_input(route_input, valid, self.routing, self.chunk, segments)
+    weights = self.router.weigh(route_input, valid)
+    pooled = routing_input(route_input, valid, self.routing, self.chunk, segments, weights)
     if self.routing == "sequence":
       tokens, stats = self.select(pooled, bank)
-      return self.attn(self.norm(h), tokens), stats
-    return self.read_per_position(h, pooled, bank, self.routing)
+      out = self.attn(self.norm(h), tokens)
+    else:
+      out, stats = self.read_per_position(h, pooled, bank, self.routing)
+    if weights is not None:
+      stats["pool_share"] = pool_share(weights)
+    return out, stats
 
   def decode(self, state, h, route_input, bank, valid, index):
     """Cached decoding of L new positions at slots [index, index+L) (the prompt, then one token at a
@@ -215,6 +220,8 @@ class MemoryLayer(nnx.Module):
     * hybrid: the prompt routes on its masked mean and seeds the window; later calls as rolling.
     """
     routing = self.decode_routing
+    weights = self.router.weigh(route_input, valid)
+    valid = valid if weights is None or routing == "token" else weights  # what each decision pools
     if routing in CAUSAL_ROUTINGS:
       state, pooled = cached_routing_input(state, route_input, valid, routing, self.chunk, index)
       return state, self.read_per_position(h, pooled, bank, routing)[0]

@@ -16,7 +16,7 @@ from flax import nnx
 
 from moc_jax.config import router_factors
 from moc_jax.config.schema import CAUSAL_ROUTINGS
-from moc_jax.model.layers import dense
+from moc_jax.model.layers import dense, rms_normalize
 
 
 def resolve_decode_routing(mem):
@@ -223,7 +223,7 @@ def _mean_entropy(probs):
   return jnp.mean(-jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-12)), axis=-1))
 
 
-def routing_input(h, valid, routing, chunk, segments=None):
+def routing_input(h, valid, routing, chunk, segments=None, weights=None):
   """What each routing decision sees, from the layer input h [B, L, d], the non-pad mask valid [B, L] and,
   for packed rows, segment_ids [B, L] (a document is a contiguous run of one id):
   sequence [B, d] (plain mean of the row, pads included, as MoC-PT); token [B, L, d] (h itself);
@@ -231,26 +231,29 @@ def routing_input(h, valid, routing, chunk, segments=None):
   [B, L, d] (masked mean of its document's positions <= t); chunk (masked mean of its document's positions
   before the chunk; zeros when there are none, so the router sees its bias alone) per chunk
   [B, ceil(L/chunk), d], or per position [B, L, d] with segment ids (a document may start inside a chunk).
-  No decision of segment, prefix or chunk routing sees another document's tokens."""
+  No decision of segment, prefix or chunk routing sees another document's tokens.
+
+  `weights` [B, L] (`memory.routing_pool=attention`, `pool_weights`) replaces the mask by each position's
+  weight: every mean above, sequence's too, becomes the weighted mean of the same positions."""
   h = h.astype(jnp.float32)
-  if routing == "sequence":
-    return jnp.mean(h, axis=1)
   if routing == "token":
     return h
-  w = jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
+  if routing == "sequence":
+    return jnp.mean(h, axis=1) if weights is None else masked_mean(h, weights)
+  w = (jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)) if weights is None else weights
   if segments is None:
     total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
   else:
     total, count = document_cumsum(h * w[..., None], segments), document_cumsum(w[..., None], segments)
   if routing == "prefix":
-    return total / jnp.maximum(count, 1.0)
+    return _ratio(total, count)
   if segments is None:  # one document per row: sequence-wide means, chunk decisions per chunk
     if routing == "segment":
-      return jnp.broadcast_to(total[:, -1:] / jnp.maximum(count[:, -1:], 1.0), h.shape)
+      return jnp.broadcast_to(_ratio(total[:, -1:], count[:, -1:]), h.shape)
     before = jnp.arange(0, h.shape[1], chunk) - 1  # sums up to the position before each chunk start
     total = jnp.where(before[None, :, None] >= 0, jnp.take(total, jnp.maximum(before, 0), axis=1), 0.0)
     count = jnp.where(before[None, :, None] >= 0, jnp.take(count, jnp.maximum(before, 0), axis=1), 0.0)
-    return total / jnp.maximum(count, 1.0)
+    return _ratio(total, count)
   first, last = document_bounds(segments)
   if routing == "chunk":  # the document's sums up to the position before the chunk start, if inside it
     last = jnp.arange(h.shape[1])[None, :] // chunk * chunk - 1
@@ -258,7 +261,38 @@ def routing_input(h, valid, routing, chunk, segments=None):
   pick = jnp.maximum(last, 0)[..., None]
   total = jnp.where(inside, jnp.take_along_axis(total, pick, axis=1), 0.0)
   count = jnp.where(inside, jnp.take_along_axis(count, pick, axis=1), 0.0)
-  return total / jnp.maximum(count, 1.0)
+  return _ratio(total, count)
+
+
+def _ratio(total, count):
+  """A weighted mean from its sums: total / count, zeros where nothing was pooled (count 0). With 0/1 weights
+  this is total / max(count, 1), bit for bit."""
+  return total / jnp.where(count > 0, count, 1.0)
+
+
+POOL_SCORE_CAP = 10.0  # |score| bound of attention pooling: weights within e^±10, so running sums stay in float32
+
+
+def pool_weights(h, valid, query, eps):
+  """Attention pooling's weight of each position in its routing decision's mean: valid · exp(s) with
+  s = cap · tanh(query · rms_normalize(h) / cap) [B, L] float32.
+
+  A position's weight depends on its own input alone, so every causal routing stays causal and the running
+  sums of `routing_input` and `cached_routing_input` need no running maximum: the cap keeps exp(s) in
+  [e^-10, e^10]. A zero query (its initial value) weighs every position alike: the plain masked mean."""
+  s = jnp.einsum("bld,d->bl", rms_normalize(h, eps), query.astype(jnp.float32))
+  w = jnp.exp(POOL_SCORE_CAP * jnp.tanh(s / POOL_SCORE_CAP))
+  return w if valid is None else w * valid.astype(jnp.float32)
+
+
+def pool_share(weights):
+  """How far attention pooling has left the plain mean, per decision row: exp(entropy) of the row's normalised
+  weights over its positions of non-zero weight, averaged over rows (1: every position alike; 1/n: one of n
+  positions decides). A row's documents are taken together: a health figure, not a routing input."""
+  n = jnp.sum(weights > 0, axis=1)
+  p = weights / jnp.maximum(jnp.sum(weights, axis=1, keepdims=True), 1e-30)
+  entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30)), 0.0), axis=1)
+  return jnp.mean(jnp.exp(entropy) / jnp.maximum(n, 1))
 
 
 def document_starts(segments):
@@ -297,16 +331,17 @@ def per_position(x, routing, chunk, length):
 
 
 def masked_mean(x, valid):
-  """Mean over axis 1 of x [B, L, d] at the positions valid [B, L] marks (zeros where none)."""
+  """Mean over axis 1 of x [B, L, d] at the positions valid [B, L] marks, or weighted by float weights [B, L]
+  (zeros where none)."""
   w = valid.astype(jnp.float32)[..., None]
-  return jnp.sum(x.astype(jnp.float32) * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)
+  return _ratio(jnp.sum(x.astype(jnp.float32) * w, axis=1), jnp.sum(w, axis=1))
 
 
 def cached_routing_input(state, h, valid, routing, chunk, index):
   """`routing_input` of the positions at slots index, index+1, ... of a row whose earlier layer inputs
   `state` summarises ({} before the first call) -> (new state, per-position routing inputs [B, L, d]).
   prefix keeps the running masked sum and count of the inputs; chunk also keeps them as of the
-  current chunk's start; token keeps nothing."""
+  current chunk's start; token keeps nothing. `valid` may be attention-pooling weights (`pool_weights`)."""
   h = h.astype(jnp.float32)
   if routing == "token":
     return {}, h
@@ -318,7 +353,7 @@ def cached_routing_input(state, h, valid, routing, chunk, index):
   count = jnp.concatenate([count0[:, None], count0[:, None] + jnp.cumsum(w, axis=1)], axis=1)
   new = {"total": total[:, -1], "count": count[:, -1]}
   if routing == "prefix":
-    return new, total[:, 1:] / jnp.maximum(count[:, 1:, None], 1.0)
+    return new, _ratio(total[:, 1:], count[:, 1:, None])
   # chunk: the sums before each slot's chunk start; a chunk that began before this call uses the saved ones
   start = (index + jnp.arange(l + 1)) // chunk * chunk - index
   inside = start >= 0
@@ -327,7 +362,7 @@ def cached_routing_input(state, h, valid, routing, chunk, index):
   count = jnp.where(inside[None, :], jnp.take(count, jnp.maximum(start, 0), axis=1),
                     state.get("chunk_count", jnp.zeros((b,)))[:, None])
   new.update(chunk_total=total[:, -1], chunk_count=count[:, -1])
-  return new, total[:, :-1] / jnp.maximum(count[:, :-1, None], 1.0)
+  return new, _ratio(total[:, :-1], count[:, :-1, None])
 
 
 def cached_decision_input(state, h, valid, routing, window):
@@ -335,12 +370,12 @@ def cached_decision_input(state, h, valid, routing, window):
   [B, d]). sequence: the masked mean of the call's (the prompt's) inputs, no state (the memory layer keeps
   the chapters it chose instead); rolling: the masked mean of the last `window` layer inputs, this call's
   included, kept in the state; hybrid: the first call (the prompt) routes on its own masked mean and seeds
-  the window, later calls as rolling (MoC-PT's)."""
+  the window, later calls as rolling (MoC-PT's). `valid` may be attention-pooling weights (`pool_weights`)."""
   if routing == "sequence":
     return state, masked_mean(h, valid)
   b, _, d = h.shape
   recent = jnp.concatenate([state.get("window", jnp.zeros((b, window, d))), h.astype(jnp.float32)], axis=1)[:, -window:]
-  seen = jnp.concatenate([state.get("seen", jnp.zeros((b, window), bool)), valid], axis=1)[:, -window:]
+  seen = jnp.concatenate([state.get("seen", jnp.zeros((b, window), valid.dtype)), valid], axis=1)[:, -window:]
   first_hybrid = routing == "hybrid" and not state
   pooled = masked_mean(h, valid) if first_hybrid else masked_mean(recent, seen)
   return {"window": recent, "seen": seen}, pooled
@@ -371,6 +406,10 @@ class Router(nnx.Module):
   however large the bank grows; the logits of every chapter are still formed (an outer sum, no matmul), so the
   top-k is exact and every routing statistic is the linear router's. Each half starts at init_std / sqrt(2), so
   the summed logits start at the linear router's scale. The train step never expands them (`GridLogits`).
+
+  `memory.routing_pool=attention` adds a learned query [d] (zeros at init: the plain mean) that weighs the positions
+  a decision pools (`pool_weights`), so a decision can follow the few tokens that name what a document is about
+  instead of the template words that dominate a mean.
   """
 
   def __init__(self, cfg, rngs):
@@ -385,9 +424,19 @@ class Router(nnx.Module):
                      if mem.num_shared else None)
       self.rows = dense(d, a, std / math.sqrt(2), ("embed", "chapter_factors"), dt, rngs, bias=True)
       self.cols = dense(d, b, std / math.sqrt(2), ("embed", "chapter_factors"), dt, rngs, bias=True)
+    self.pool_query = (nnx.Param(jnp.zeros((d,), jnp.float32), out_sharding=("embed",), eager_sharding=False)
+                       if mem.routing_pool == "attention" else None)
+    self.pool_eps = cfg.model.norm_eps
     self.balance_bias = (BalanceBias(jnp.zeros((mem.num_chapters,)), out_sharding=("chapter_logits",),
                                      eager_sharding=False)
                          if mem.load_balance == "aux_free" else None)
+
+  def weigh(self, h, valid):
+    """Each position's weight in its routing decision's mean under `memory.routing_pool=attention` (`pool_weights`,
+    from the learned query), or None: the plain mean of `routing_input`."""
+    if self.pool_query is None:
+      return None
+    return pool_weights(h, valid, self.pool_query[...], self.pool_eps)
 
   @property
   def factored(self) -> bool:

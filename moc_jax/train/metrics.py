@@ -116,8 +116,9 @@ class RouterWindow:
   """Router health per memory layer for the training log: routed selections summed on the device over the log
   window (no host sync per step), turned at each log row into `router_used_frac_L<layer>` and
   `router_max_load_L<layer>`, next to the logged step's `router_shared_mass_L<layer>`,
-  `router_routed_entropy_L<layer>` (and `router_bias_spread_L<layer>` with aux-free balancing). The first
-  time a layer looks collapsed (router_health.collapse) the log says so, once."""
+  `router_routed_entropy_L<layer>` (and `router_bias_spread_L<layer>` with aux-free balancing,
+  `router_pool_share_L<layer>` with attention pooling). The first time a layer looks collapsed
+  (router_health.collapse) the log says so, once."""
 
   def __init__(self, config):
     self.layers, self.num_shared = memory_layers(config), config.memory.num_shared

@@ -59,9 +59,10 @@ def _forward(graphdef):
 
 
 @functools.cache
-def _model(routing="sequence", decode_routing="auto", impl="reference"):
+def _model(routing="sequence", decode_routing="auto", impl="reference", pool="mean"):
   """(graphdef, jitted full forward, jitted teacher-forced cached decoding) for one routing set-up."""
-  config = _cfg(**{"memory.routing": routing, "memory.decode_routing": decode_routing, "memory.attention_impl": impl})
+  config = _cfg(**{"memory.routing": routing, "memory.decode_routing": decode_routing, "memory.attention_impl": impl,
+                   "memory.routing_pool": pool})
   graphdef = nnx.split(moc_jax.abstract_model(config), nnx.Param)[0]
 
   @functools.partial(jax.jit, static_argnums=3)
@@ -101,15 +102,37 @@ def test_cached_decoding_of_a_causal_mode_gives_the_full_forward_logits(routing,
   assert _differ(_model("token" if routing == "prefix" else "prefix")[1](params, ids, valid), want, valid)
 
 
+@pytest.fixture(scope="module")
+def pooled_params(params):
+  """`params` plus a learned pooling query (memory layers 1 and 3) whose scores of a few units weigh the
+  positions far from equally."""
+  state = nnx.state(moc_jax.abstract_model(_cfg(**{"memory.routing_pool": "attention"})), nnx.Param)
+  have = {tuple(map(str, p)): v[...] for p, v in nnx.to_flat_state(params)}
+  query = 0.3 * jax.random.normal(jax.random.key(8), (2, 64))
+  return jax.tree.unflatten(jax.tree.structure(state), [query if "pool_query" in map(str, p) else have[tuple(map(str, p))]
+                                                        for p, _ in nnx.to_flat_state(state)])
+
+
+@pytest.mark.parametrize("routing", ["prefix", "chunk"])
+def test_cached_decoding_keeps_the_attention_pooled_weights(routing, params, pooled_params, batch):
+  """The cached running sums carry each input's pooling weight: cached logits equal the full forward's, which
+  differ from the plain mean's."""
+  _, full, cached = _model(routing, pool="attention")
+  ids, valid = batch
+  want = full(pooled_params, ids, valid)
+  _close(cached(pooled_params, ids, valid, P), want, valid, routing)
+  assert _differ(_model(routing)[1](params, ids, valid), want, valid)
+
+
 def _pooled_over(first_slot, last_slot):
   """A `routing_input` for prefix-routed models in which position t pools the non-pad layer inputs at
   slots first_slot(t)..last_slot(t): a per-position reference for the decode-only strategies."""
-  def routing_input(h, valid, routing, chunk, segments=None):
+  def routing_input(h, valid, routing, chunk, segments=None, weights=None):
     assert routing == "prefix" and segments is None
     t = jnp.arange(h.shape[1])
     seen = (t[None, :] >= first_slot(t)[:, None]) & (t[None, :] <= last_slot(t)[:, None])  # [position, slot]
-    w = seen[None].astype(jnp.float32) * valid.astype(jnp.float32)[:, None, :]
-    return jnp.einsum("bts,bsd->btd", w, h.astype(jnp.float32)) / jnp.maximum(w.sum(-1), 1.0)[..., None]
+    w = seen[None].astype(jnp.float32) * (valid if weights is None else weights).astype(jnp.float32)[:, None, :]
+    return jnp.einsum("bts,bsd->btd", w, h.astype(jnp.float32)) / jnp.maximum(w.sum(-1), 1e-30)[..., None]
   return routing_input
 
 
@@ -120,18 +143,21 @@ REFERENCES = {  # decode routing -> the slots each position's decision pools (fi
 }
 
 
-@pytest.mark.parametrize("decode_routing", ["sequence", pytest.param("rolling", marks=pytest.mark.slow),
-                                            pytest.param("hybrid", marks=pytest.mark.slow)])
-def test_decode_only_strategies_equal_a_full_forward_reading_what_they_chose(decode_routing, params, batch,
-                                                                           monkeypatch):
+@pytest.mark.parametrize("decode_routing, pool", [("sequence", "mean"), ("sequence", "attention"),
+                                                  pytest.param("rolling", "mean", marks=pytest.mark.slow),
+                                                  pytest.param("rolling", "attention", marks=pytest.mark.slow),
+                                                  pytest.param("hybrid", "mean", marks=pytest.mark.slow)])
+def test_decode_only_strategies_equal_a_full_forward_reading_what_they_chose(decode_routing, pool, params,
+                                                                           pooled_params, batch, monkeypatch):
   """`sequence`: every position reads the chapters routed on the prompt's mean; `rolling`: the prompt
   reads those of its last W inputs, each new token those of the W inputs up to it; `hybrid`: the
-  prompt's mean, then as rolling. Reference: a prefix-routed full forward (same mixing as sequence)
-  whose positions pool exactly those inputs."""
+  prompt's mean, then as rolling. With attention pooling, the weighted means of the same inputs. Reference: a
+  prefix-routed full forward (same mixing as sequence) whose positions pool exactly those inputs."""
   ids, valid = batch
-  got = _model("sequence", decode_routing)[2](params, ids, valid, P)
+  params = pooled_params if pool == "attention" else params
+  got = _model("sequence", decode_routing, pool=pool)[2](params, ids, valid, P)
   monkeypatch.setattr(memory, "routing_input", _pooled_over(*REFERENCES[decode_routing]))
-  want = jax.jit(_forward(_model("prefix")[0]))(params, ids, valid)  # traced here, with the patch
+  want = jax.jit(_forward(_model("prefix", pool=pool)[0]))(params, ids, valid)  # traced here, with the patch
   _close(got, want, valid, decode_routing)
 
 
