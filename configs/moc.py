@@ -145,12 +145,14 @@ def _seeds(points):
 
 def _routing(c):
   """Does the memory pay, and which router gets it to: the backbone, its iso-FLOP vanilla and MoC under every
-  load balance x routing (aux_free: the bias alone, no loss term), 3 seeds each (docs/routing.md)."""
+  load balance x routing (aux_free: the bias alone, no loss term), plus `routed` + `prefix` with an attention-pooled
+  routing input, 3 seeds each (docs/routing.md)."""
   arms = [NO_MEMORY, {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}]
   for balance in BALANCES:
     for routing in ROUTINGS:
       arms.append({"memory.load_balance": balance, "memory.routing": routing,
                    **({"memory.load_balance_coef": 0.0} if balance == "aux_free" else {})})
+  arms.append({"memory.load_balance": "routed", "memory.routing": "prefix", "memory.routing_pool": "attention"})
   return _seeds(arms)
 
 

@@ -6,7 +6,7 @@ each a sweep of the config file run to completion in DIR/<stage>/ (resumable and
 launch/sweep.py: finished runs are skipped, interrupted ones resume):
 
   arms    sweep `routing` at half the config's steps: the backbone without memory, its iso-FLOP vanilla, and
-          MoC under every load balance x routing;
+          MoC under every load balance x routing, and `routed` + `prefix` with attention pooling;
   bank    sweep `bank_seeds` under the chosen MoC arm, at the same steps: banks from one read (shared + top-k
           chapters) to the config's bank, every one read at the same top-k;
   budget  sweep `budget` under the chosen MoC arm: MoC and its iso-FLOP vanilla at 1/2, 1 and 2x the steps.
@@ -38,7 +38,8 @@ FLAGS = flags.FLAGS
 
 STAGES = ("arms", "bank", "budget")
 SWEEP_OF = {"arms": "routing", "bank": "bank_seeds", "budget": "budget"}
-ARM_KEYS = ("memory.load_balance", "memory.load_balance_coef", "memory.routing")  # what an arm of `arms` sets
+# what an arm of `arms` sets
+ARM_KEYS = ("memory.load_balance", "memory.load_balance_coef", "memory.routing", "memory.routing_pool")
 # The default size is what docs/routing.md measured; quick tests the harness in a few minutes (CI).
 SIZES = {
     "default": {"seeds": (0, 1, 2), "shapes": {"train.num_probes": 4096}},

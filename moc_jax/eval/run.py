@@ -209,6 +209,9 @@ def markdown_table(report: dict) -> str:
                    f"{r['max_load']:.2f} | {r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | "
                    f"{r['effective_chapters']:.1f} | {r.get('shared_mass', float('nan')):.3f} | "
                    f"{r.get('routed_entropy', float('nan')):.2f} | {jac} |")
+    if any("pool_share" in r for r in routing["layers"]):
+      lines += ["", "attention pooling, share of a row's positions a decision weighs (1 = the plain mean): "
+                + ", ".join(f"layer {r['layer']} {r['pool_share']:.3f}" for r in routing["layers"])]
   q = report.get("quantized_bank")
   if q:
     lines += ["", f"{q['bits']} bank ({q['bank_bytes'] / 1e6:.2f} MB, float32 {q['float_bank_bytes'] / 1e6:.2f} MB): "

@@ -101,6 +101,18 @@ def test_run_names():
   assert sweeps.default_name("configs/moc.py:tiny,runlocal", "topk") == "moc-tiny_runlocal-topk"
 
 
+def test_routing_sweep_arms():
+  """The backbone, its iso-FLOP vanilla, MoC under 3 balances x 3 routings and the attention-pooled causal arm,
+  3 seeds each; the pooled arm resolves to routed + prefix + attention."""
+  points = sweeps.plan("configs/moc.py:tiny", "routing")
+  assert len(points) == 12 * 3 and len({p.name for p in points}) == 36
+  pooled = [p for p in points if p.name == "routed-prefix-attention-seed1"]
+  assert len(pooled) == 1
+  mem = pooled[0].config.memory
+  assert (mem.load_balance, mem.routing, mem.routing_pool, pooled[0].config.seed) == ("routed", "prefix", "attention", 1)
+  assert sum(p.config.memory.routing_pool == "attention" for p in points) == 3
+
+
 @pytest.mark.parametrize("model", ["tiny", "small", "262k"])
 def test_iso_flop_vanilla_is_the_closest_width(model):
   """Each vanilla point's SwiGLU width is the multiple of 16 whose FLOPs/token are nearest its MoC point's."""
