@@ -202,8 +202,8 @@ class MemoryLayer(nnx.Module):
       out = self.attn(self.norm(h), tokens)
     else:
       out, stats = self.read_per_position(h, pooled, bank, self.routing)
-    if weights is not None:
-      stats["pool_share"] = pool_share(weights)
+    if weights is not None:  # pool_weights [B, L]: what `moc_jax.eval.pool_focus` reads (unused outputs cost nothing)
+      stats.update(pool_share=pool_share(weights), pool_weights=weights)
     return out, stats
 
   def decode(self, state, h, route_input, bank, valid, index):
