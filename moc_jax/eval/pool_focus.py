@@ -45,21 +45,23 @@ def decision_positions(length: int, routing: str, chunk: int) -> np.ndarray:
 def focus(weights, lengths, spans, routing: str, chunk: int) -> list[dict]:
   """weights [n_mem, N, W] pooling weights of N right-padded prompts of `lengths`, with the entity at token `spans`
   -> per memory layer {entity_share, uniform_share, top_positions}: the answer decision's mean share of weight on the
-  entity's tokens, the same for equal weights, and per prompt the position it weighs most."""
+  entity's tokens, the same for equal weights, and per prompt the position it weighs most (None for a prompt whose
+  decision pools nothing: a `chunk` prompt shorter than one chunk, left out of the shares)."""
   out = []
   for w in np.asarray(weights, np.float64):
     shares, uniform, top = [], [], []
     for row, n, (a, b) in zip(w, lengths, spans):
       seen = decision_positions(n, routing, chunk)
       if not seen.any():
+        top.append(None)
         continue
       on = seen.copy()
       on[:a], on[b:] = False, False
       shares.append(row[:n][on].sum() / row[:n][seen].sum())
       uniform.append(on.sum() / seen.sum())
       top.append(int(np.argmax(np.where(seen, row[:n], -np.inf))))
-    out.append({"entity_share": float(np.mean(shares)), "uniform_share": float(np.mean(uniform)),
-                "top_positions": top})
+    out.append({"entity_share": float(np.mean(shares)) if shares else None,
+                "uniform_share": float(np.mean(uniform)) if uniform else None, "top_positions": top})
   return out
 
 
@@ -85,7 +87,8 @@ def pool_focus(workdir: str, num_probes: int = 64) -> list[dict]:
   mem = config.memory
   layers = focus(jax.device_get(weights), [len(r) for r in rows], spans, mem.routing, mem.routing_chunk)
   for layer, row in zip(memory_layers(config), layers):
-    tops = collections.Counter(tokenizer.decode([rows[i][t]]) for i, t in enumerate(row.pop("top_positions")))
+    tops = collections.Counter(tokenizer.decode([rows[i][t]]) for i, t in enumerate(row.pop("top_positions"))
+                               if t is not None)
     row.update(layer=layer, probes=len(probes), top_tokens=[[k, v] for k, v in tops.most_common(5)])
   return layers
 

@@ -240,7 +240,9 @@ def routing_input(h, valid, routing, chunk, segments=None, weights=None):
     return h
   if routing == "sequence":
     return jnp.mean(h, axis=1) if weights is None else masked_mean(h, weights)
-  w = (jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)) if weights is None else weights
+  w = weights
+  if w is None:
+    w = jnp.ones(h.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
   if segments is None:
     total, count = jnp.cumsum(h * w[..., None], axis=1), jnp.cumsum(w, axis=1)[..., None]
   else:

@@ -29,6 +29,10 @@ def test_focus_by_hand_chunk():
   assert layer["entity_share"] == pytest.approx(((2 + 3) / 10 + 1.0) / 2)
   assert layer["uniform_share"] == pytest.approx((2 / 4 + 1.0) / 2)
   assert layer["top_positions"] == [3, 0]
+  # chunks of 4: the 4-token prompt's decision pools nothing and is left out, keeping its place in the list
+  (layer,) = pool_focus.focus(WEIGHTS, LENGTHS, SPANS, "chunk", 4)
+  assert layer["entity_share"] == pytest.approx((2 + 3) / 10) and layer["uniform_share"] == pytest.approx(2 / 4)
+  assert layer["top_positions"] == [3, None]
 
 
 @pytest.fixture(scope="module")
