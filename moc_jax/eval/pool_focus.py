@@ -8,8 +8,9 @@ keyed on the template's words does not (docs/routing.md#routing-on-what-the-text
   python -m moc_jax.eval.pool_focus WORKDIR [WORKDIR ...] [--probes=64] [--json]
 
 The answer's decision is the one that predicts the token after the prompt: under `prefix` and `sequence` /
-`segment` it pools every prompt position, under `chunk` those before the last position's chunk. The probes are
-the evaluation's fixed sample of seen facts (config seed). Only the workdirs are read.
+`segment` it pools every prompt position, under `chunk` those before the last position's chunk. The prompts are a
+fixed sample of the seen facts (`probes.select_probes` with the run's seed, as the evaluation draws its own). Only
+the workdirs are read.
 """
 import argparse
 import collections
@@ -66,7 +67,8 @@ def focus(weights, lengths, spans, routing: str, chunk: int) -> list[dict]:
 
 
 def pool_focus(workdir: str, num_probes: int = 64) -> list[dict]:
-  """Per memory layer: {layer, probes, entity_share, uniform_share, top_tokens [[token, count], ...]}."""
+  """Per memory layer: {layer, probes, entity_share, uniform_share, top_tokens [[token, count], ...]}; a ConfigError
+  names the fix for a run that is not attention-pooled or not trained on moc_facts."""
   config = cli.run_config(workdir, {})
   if not memory_layers(config) or config.memory.routing_pool != "attention":
     raise ConfigError(f"{workdir}: memory.routing_pool is not attention (every position weighs alike); give a run "
@@ -97,7 +99,7 @@ def pool_focus(workdir: str, num_probes: int = 64) -> list[dict]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("workdirs", nargs="+")
-  parser.add_argument("--probes", type=int, default=64, help="fact prompts to read (the evaluation's sample)")
+  parser.add_argument("--probes", type=int, default=64, help="fact prompts to read (a fixed sample of the seen facts)")
   parser.add_argument("--json", action="store_true", help="one JSON object per line")
   args = parser.parse_args(argv)
   if args.probes < 1:
