@@ -15,9 +15,10 @@ Every point runs once per seed. The chosen arm is the causal MoC arm of `arms` w
 recall, the goal's metric (lower validation CE breaks a tie); --moc names any arm instead. Each MoC run is then
 evaluated by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of
 fact prompts' chapters with a paraphrase's and with another entity's), and once more with every routable chapter
-zeroed: the recall the bank holds. DIR/<stage>/results.md holds a stage's
-tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the three tables across seeds and each
-goal of the routing work, met or not, with its numbers.
+zeroed: the recall the bank holds; each vanilla run once, for its recall by the entity's training documents.
+DIR/<stage>/results.md holds a stage's tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the
+three tables across seeds, each goal of the routing work, met or not, with its numbers, and the budget stage's
+recall by the entity's training documents.
 """
 from __future__ import annotations
 
@@ -77,20 +78,28 @@ def _plan(spec, stage, size, arm=None):
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
-def _evaluate(workdirs, parallel):
-  """`python -m moc_jax.eval` on each MoC run whose eval.json is missing or has no ablation (written before the
-  harness asked for one), `parallel` at a time (log: eval.log), with every routable chapter also zeroed once
-  (`--ablate_chapters=routed`): the recall the bank holds."""
+def _evaluate(runs, parallel):
+  """`python -m moc_jax.eval` on each run (`runs`: (workdir, is MoC) pairs) not yet evaluated, `parallel` at a
+  time (log: eval.log): a MoC run also with every routable chapter zeroed (`--ablate_chapters=routed`: the
+  recall the bank holds), so one whose eval.json has no ablation (written before the harness asked for one) is
+  evaluated again; a vanilla run once, for its recall by the entity's training documents."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
 
-  def one(workdir):
+  def one(run):
+    workdir, moc = run
     with open(os.path.join(workdir, "eval.log"), "w") as log:
-      command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}", "--ablate_chapters=routed"]
+      command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"]
+      command += ["--ablate_chapters=routed"] if moc else []
       rc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     return workdir, rc
 
   from moc_jax import sweep_report
-  todo = [w for w in workdirs if "ablation" not in sweep_report.eval_report(w)]
+
+  def evaluated(workdir, moc):
+    report = sweep_report.eval_report(workdir)
+    return "ablation" in report if moc else bool(report)
+
+  todo = [(w, moc) for w, moc in runs if not evaluated(w, moc)]
   with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     failed = [w for w, rc in pool.map(one, todo) if rc]
   if failed:
@@ -113,7 +122,7 @@ def run_stage(out, spec, stage, size, parallel, arm=None) -> dict:
   points = _plan(spec, stage, size, arm)
   sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
   t0 = time.time()
-  _evaluate([os.path.join(stage_dir, p.name) for p in points if sweeps.is_moc(p.config)], parallel)
+  _evaluate([(os.path.join(stage_dir, p.name), sweeps.is_moc(p.config)) for p in points], parallel)
   eval_s = time.time() - t0
   sweep_report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
@@ -224,7 +233,12 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
         lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}; {causal}).", ""]
   lines += ["## Goals", "", "| goal | met | numbers |", "|---|---|---|"]
   lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['detail']} |" for g in goal_list]
-  lines += ["", *held_by_bank(stages.get("budget", {}).get("groups", []))]
+  budget = stages.get("budget", {}).get("groups", [])
+  lines += ["", *held_by_bank(budget)]
+  by_docs = sweep_report.recall_by_docs_table(budget)
+  if by_docs:
+    lines += ["Fact recall by how many training documents name the entity, stage `budget` (`python -m "
+              "moc_jax.eval`; the rarest entities are where a memory should pay first):", "", *by_docs, ""]
   total = sum(s["wall_s"] + s["eval_s"] for s in stages.values())
   return "\n".join(lines + ["", f"Wall time of the runs and evaluations, summed: {total:,.0f} s.", ""])
 

@@ -1,9 +1,10 @@
 """What a sweep's runs reached (`python launch/collect.py sweeps/<name>`): per run the final validation CE,
 fact recall, router health, training FLOPs (moc_jax/flops.py on the run's config.json), parameters total /
 active, tokens and wall time, as results.csv and results.md; runs that differ only in their seed as mean ±
-standard error (seeds.csv and results.md); power-law fits of the loss against training compute, bank
-size (at fixed compute) and top-k (at fixed bank); loss_vs_*.png. A run without its final evaluation is
-listed as failed or unfinished and kept out of the fits, never dropped.
+standard error (seeds.csv and results.md), with the fact recall per bucket of how many training documents
+name the entity where `python -m moc_jax.eval` wrote an eval.json (results.md); power-law fits of the loss
+against training compute, bank size (at fixed compute) and top-k (at fixed bank); loss_vs_*.png. A run without
+its final evaluation is listed as failed or unfinished and kept out of the fits, never dropped.
 """
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def _row(sweep_dir, entry):
     reached = max((r["step"] for r in sweeps.read_metrics(workdir) if "split" not in r), default=0)
     return unfinished(f"reached step {reached} of {steps}")
   return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
-          "exact_match": final.get("probe_exact"), **_router_health(workdir), **_eval_routing(workdir)}
+          "exact_match": final.get("probe_exact"), **_router_health(workdir), **_eval_routing(workdir),
+          **_recall_by_docs(workdir)}
 
 
 def _router_health(workdir) -> dict:
@@ -147,6 +149,19 @@ def _eval_routing(workdir) -> dict:
   return out
 
 
+def _recall_by_docs(workdir) -> dict:
+  """From WORKDIR/eval.json: {"recall_by_docs": {bucket: recall}}, the fact recall per bucket of the entity's
+  training-document count ("10-29", "1000+"; `moc_jax.eval --bucket_edges`), or {} without an evaluation. The
+  training log scores a sample of all probes; this is where a run's recall of rare entities shows."""
+  buckets = (eval_report(workdir).get("fact_recall") or {}).get("buckets", [])
+  return {"recall_by_docs": {b["docs"]: b["acc"] for b in buckets}} if buckets else {}
+
+
+def _min_docs(bucket: str) -> int:
+  """A bucket label's lower edge: "10-29" -> 10, "1000+" -> 1000."""
+  return int(re.match(r"\d+", bucket).group())
+
+
 def mean_and_se(values) -> tuple[float, float]:
   """Mean and standard error (sample standard deviation / sqrt(n); NaN for one value) of per-seed results."""
   v = np.asarray(values, np.float64)
@@ -167,6 +182,12 @@ def seed_groups(rows) -> list[dict]:
       values = [m[key] for m in members if m.get(key) is not None]
       if values:
         row[key], row[key + "_se"] = mean_and_se(values)
+    by_docs = {}
+    for m in members:  # a bucket can be empty in one seed's data (entity counts follow the data seed)
+      for bucket, recall in m.get("recall_by_docs", {}).items():
+        by_docs.setdefault(bucket, []).append(recall)
+    if by_docs:
+      row["recall_by_docs"] = {b: (*mean_and_se(by_docs[b]), len(by_docs[b])) for b in sorted(by_docs, key=_min_docs)}
     out.append(row)
   return out
 
@@ -230,6 +251,27 @@ def seed_table(groups) -> list[str]:
                   + " |" for g in groups]
 
 
+def recall_by_docs_table(groups) -> list[str]:
+  """The lines of a markdown table of seed_groups' fact recall per bucket of the entity's training documents
+  (mean ± standard error over the seeds whose data has the bucket; their number is shown when some seed's
+  has not); [] when no point has an evaluation."""
+  groups = [g for g in groups if g.get("recall_by_docs")]
+  if not groups:
+    return []
+  buckets = sorted({b for g in groups for b in g["recall_by_docs"]}, key=_min_docs)
+
+  def cell(g, bucket):
+    if bucket not in g["recall_by_docs"]:
+      return ""
+    mean, se, n = g["recall_by_docs"][bucket]
+    seeds = "" if n == g["n"] else f" ({n} of {g['n']} seeds)"
+    return f"{mean:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}") + seeds
+
+  header = ["| point | seeds | " + " | ".join(f"{b} docs" for b in buckets) + " |",
+            "|---|---:|" + "---:|" * len(buckets)]
+  return header + [f"| {g['point']} | {g['n']} | " + " | ".join(cell(g, b) for b in buckets) + " |" for g in groups]
+
+
 def markdown(title, rows, fit_list, plots) -> str:
   header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
             "params total", "params active", "val CE", "fact recall", "exact match", "chapters read",
@@ -244,6 +286,10 @@ def markdown(title, rows, fit_list, plots) -> str:
   groups = seed_groups(rows)
   if groups:
     lines += ["", "## Across seeds (mean ± standard error over seeds)", "", *seed_table(groups)]
+    by_docs = recall_by_docs_table(groups)
+    if by_docs:
+      lines += ["", "## Fact recall by how many training documents name the entity (`python -m moc_jax.eval`; "
+                "mean ± standard error over seeds)", "", *by_docs]
   lines += ["", f"## Fits: loss = a·x^b (least squares in log-log; {CONFIDENCE:.0%} interval of b from Student's t)",
             ""]
   if fit_list:
@@ -322,7 +368,8 @@ def collect(sweep_dir: str, out_dir: str | None = None) -> str:
   groups = seed_groups(rows)
   if groups:
     with open(os.path.join(out_dir, "seeds.csv"), "w", newline="") as f:
-      writer = csv.DictWriter(f, ["point", "kind", "n", *(k + s for k in SEED_METRICS for s in ("", "_se"))])
+      writer = csv.DictWriter(f, ["point", "kind", "n", *(k + s for k in SEED_METRICS for s in ("", "_se"))],
+                              extrasaction="ignore")
       writer.writeheader()
       writer.writerows(groups)
   text = markdown(title, rows, fit_list, plot(rows, fit_list, out_dir))

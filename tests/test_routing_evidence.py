@@ -95,15 +95,31 @@ def test_recall_held_by_the_bank_per_budget():
 
 
 def test_evaluates_runs_without_an_ablated_eval_json(tmp_path, monkeypatch):
-  """A run is evaluated unless its eval.json already has the bank knocked out; the command asks for it."""
-  runs = {name: tmp_path / name for name in ("new", "old", "done")}
+  """A MoC run is evaluated unless its eval.json already has the bank knocked out, and the command asks for it;
+  a vanilla run is evaluated once, without an ablation."""
+  runs = {name: tmp_path / name for name in ("new", "old", "done", "dense-new", "dense-done")}
   for run in runs.values():
     run.mkdir()
   (runs["old"] / "eval.json").write_text(json.dumps({"ce": 1.0}))
   (runs["done"] / "eval.json").write_text(json.dumps({"ce": 1.0, "ablation": {"spec": "routed"}}))
+  (runs["dense-done"] / "eval.json").write_text(json.dumps({"ce": 1.0}))
   commands = []
   monkeypatch.setattr(evidence.subprocess, "run",
                       lambda command, **kw: commands.append(command) or subprocess.CompletedProcess(command, 0))
-  evidence._evaluate([str(r) for r in runs.values()], 1)
-  assert [c[-2:] for c in commands] == [[f"--workdir={runs['new']}", "--ablate_chapters=routed"],
-                                        [f"--workdir={runs['old']}", "--ablate_chapters=routed"]]
+  evidence._evaluate([(str(r), not name.startswith("dense")) for name, r in runs.items()], 1)
+  assert [c[3:] for c in commands] == [[f"--workdir={runs['new']}", "--ablate_chapters=routed"],
+                                       [f"--workdir={runs['old']}", "--ablate_chapters=routed"],
+                                       [f"--workdir={runs['dense-new']}"]]
+
+
+def test_evidence_lists_the_budget_stage_recall_by_entity_documents():
+  """evidence.md shows MoC's and the vanilla's recall per bucket of the entity's training documents, budget stage."""
+  budget = _budget(0.60, 0.01, 0.55, 0.015, 900)
+  budget[0]["recall_by_docs"] = {"10-29": (0.40, 0.02, 3), "100-299": (0.95, 0.01, 3)}
+  budget[1]["recall_by_docs"] = {"10-29": (0.30, 0.01, 3), "100-299": (0.97, math.nan, 1)}
+  chosen = group("routed-prefix", eval_used_frac=0.95, eval_max_load=2.5, paraphrase_jaccard=0.4,
+                 other_entity_jaccard=0.3)
+  stages = {"budget": {"groups": budget, "wall_s": 1.0, "eval_s": 1.0}}
+  text = evidence.markdown("configs/moc.py:tiny", "default", stages, chosen, [], "a machine")
+  assert ("| point | seeds | 10-29 docs | 100-299 docs |\n|---|---:|---:|---:|\n| steps900 | 3 | 0.400 ± 0.020 | "
+          "0.950 ± 0.010 |\n| dense-mlp288-steps900 | 3 | 0.300 ± 0.010 | 0.970 (1 of 3 seeds) |") in text

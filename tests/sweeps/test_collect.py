@@ -178,3 +178,31 @@ def test_collect_averages_seeds_with_standard_errors(tmp_path):
   assert float(groups["aux_free-segment"]["router_used_frac"]) == pytest.approx(0.7)  # layers then seeds
   assert groups["dense"]["router_used_frac"] == ""
   assert f"| aux_free-segment | moc | 3 | 1.1000 ± {se:.4f} | 0.300 ± 0.000 |" in text
+
+
+def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
+  """Each run's eval.json buckets (recall by the entity's training documents) averaged per point over the
+  seeds whose data has the bucket, the lower edges in order, the seed count shown where a seed lacks one."""
+  sweep_dir = str(tmp_path / "routing")
+  only = [f"{arm}-seed{s}" for arm in ("dense", "routed-prefix") for s in (0, 1, 2)]
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "routing", lambda r: 1.0, only=only)
+  recalls = {"dense": ([0.30, 0.36, 0.33], [0.9, 1.0, None]), "routed-prefix": ([0.40, 0.50, 0.45], [1.0, 1.0, 1.0])}
+  for arm, (rare, common) in recalls.items():
+    for s in range(3):
+      buckets = [{"docs": "10-29", "min_docs": 10, "acc": rare[s]}]
+      buckets += [] if common[s] is None else [{"docs": "100-299", "min_docs": 100, "acc": common[s]}]
+      buckets.reverse()  # out of order: the table orders by lower edge
+      with open(os.path.join(sweep_dir, f"{arm}-seed{s}", "eval.json"), "w") as f:
+        json.dump({"fact_recall": {"probe_acc": 0.5, "buckets": buckets}}, f)
+  text = sweep_report.collect(sweep_dir, str(tmp_path / "out"))
+  se = lambda v: np.std(v, ddof=1) / math.sqrt(len(v))
+  lines = text.splitlines()
+  header = lines.index("| point | seeds | 10-29 docs | 100-299 docs |")
+  assert f"| dense | 3 | 0.330 ± {se([0.30, 0.36, 0.33]):.3f} | 0.950 ± {se([0.9, 1.0]):.3f} (2 of 3 seeds) |" in (
+      lines[header + 2:header + 4])
+  assert f"| routed-prefix | 3 | 0.450 ± {se([0.40, 0.50, 0.45]):.3f} | 1.000 ± 0.000 |" in (
+      lines[header + 2:header + 4])
+  assert "recall_by_docs" not in open(tmp_path / "out" / "seeds.csv").readline()
+  os.remove(os.path.join(sweep_dir, "dense-seed0", "eval.json"))  # without every seed's evaluation, still a row
+  text = sweep_report.collect(sweep_dir, str(tmp_path / "o2"))
+  assert "| dense | 3 | 0.345 ± 0.015 (2 of 3 seeds) | 1.000 (1 of 3 seeds) |" in text
