@@ -174,6 +174,21 @@ def _pm(value, err):
   return f"{value:.3f} ± {err:.3f}"
 
 
+def _bucket_table(report: dict) -> list[str]:
+  """Fact recall per bucket of the entity's training documents; with `--ablate_chapters`, also the same probes'
+  recall with those chapters zeroed: whether the bank holds the rare entities' facts or the common ones'."""
+  ablation = report.get("ablation") or {}
+  zeroed = {b["docs"]: b for b in (ablation.get("fact_recall") or {}).get("buckets", [])}
+  header = "| entity training docs | probes | entities | recall | exact match |"
+  lines = [header + (f" recall, `{ablation['spec']}` zeroed |" if zeroed else ""),
+           "|---|---:|---:|---:|---:|" + ("---:|" if zeroed else "")]
+  for b in report["fact_recall"]["buckets"]:
+    z = zeroed.get(b["docs"])
+    lines.append(f"| {b['docs']} | {b['probes']} | {b['entities']} | {_pm(b['acc'], b['acc_stderr'])} | "
+                 f"{b['exact']:.3f} |" + (f" {_pm(z['acc'], z['acc_stderr'])} |" if zeroed else ""))
+  return lines
+
+
 def markdown_table(report: dict) -> str:
   """The report's headline numbers as markdown tables (eval.json holds everything)."""
   devices = f"{report['devices']} device" + ("s" if report["devices"] > 1 else "")
@@ -185,10 +200,7 @@ def markdown_table(report: dict) -> str:
   if fr:
     lines += [f"| fact recall, likelihood choice ({fr['num_probes']} probes, chance {fr['probe_chance']:.2f}) | "
               f"{_pm(fr['probe_acc'], fr['probe_acc_stderr'])} |",
-              f"| fact recall, greedy exact match | {fr['probe_exact']:.3f} |", "",
-              "| entity training docs | probes | entities | recall | exact match |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {b['docs']} | {b['probes']} | {b['entities']} | {_pm(b['acc'], b['acc_stderr'])} | "
-              f"{b['exact']:.3f} |" for b in fr["buckets"]]
+              f"| fact recall, greedy exact match | {fr['probe_exact']:.3f} |", "", *_bucket_table(report)]
   if report.get("mcq"):
     lines += ["", "| benchmark | format | items | shots | acc | acc_norm | chance |",
               "|---|---|---:|---:|---:|---:|---:|"]

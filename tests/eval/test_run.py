@@ -193,6 +193,24 @@ def test_recall_buckets_by_hand():
   assert [(b["docs"], b["probes"], b["max_docs"]) for b in coarse] == [("0-4", 5, 4), ("5+", 7, None)]
 
 
+
+def test_the_bucket_table_adds_the_ablated_recall():
+  """With `--ablate_chapters`, each bucket's row also gives the same probes' recall with the chapters zeroed."""
+  probes = [{"doc_count": d, "entity": f"e{d}"} for d in (10, 12, 500)]
+  fr = {"num_probes": 3, "probe_chance": 0.25, "probe_acc": 1.0, "probe_acc_stderr": 0.0, "probe_exact": 0.0,
+        "buckets": recall_by_bucket(probes, [1, 1, 1], [0, 0, 0])}
+  report = {"workdir": "w", "step": 1, "config": "c", "devices": 1, "split": "validation", "ce": 1.0, "ppl": 2.7,
+            "tokens": 3, "fact_recall": fr, "files": {}}
+  plain = markdown_table(report).splitlines()
+  assert "| 10-29 | 2 | 2 | 1.000 ± 0.000 | 0.000 |" in plain
+  zeroed = {**fr, "buckets": recall_by_bucket(probes, [1, 0, 0], [0, 0, 0])}
+  report["ablation"] = {"spec": "routed", "chapters": {"1": [1, 2]}, "ce": 1.5, "ce_delta": 0.5,
+                        "fact_recall": zeroed}
+  lines = markdown_table(report).splitlines()
+  assert "| entity training docs | probes | entities | recall | exact match | recall, `routed` zeroed |" in lines
+  assert "| 10-29 | 2 | 2 | 1.000 ± 0.000 | 0.000 | 0.500 ± 0.354 |" in lines
+  assert "| 300-999 | 1 | 1 | 1.000 ± 0.000 | 0.000 | 0.000 ± 0.000 |" in lines
+
 @pytest.mark.parametrize("bits", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
 def test_quantized_bank_report_equals_the_float_model_on_the_dequantized_bank(run, tmp_path, bits):
   """`--quantize_bank`: CE and recall of the codes against the training loop's evaluation of float params whose
