@@ -183,7 +183,7 @@ def seed_groups(rows) -> list[dict]:
       if values:
         row[key], row[key + "_se"] = mean_and_se(values)
     by_docs = {}
-    for m in members:  # a bucket can be empty in one seed's data (entity counts follow the data seed)
+    for m in members:  # a bucket can be empty in some runs (their corpora or --bucket_edges differ)
       for bucket, recall in m.get("recall_by_docs", {}).items():
         by_docs.setdefault(bucket, []).append(recall)
     if by_docs:
@@ -253,8 +253,8 @@ def seed_table(groups) -> list[str]:
 
 def recall_by_docs_table(groups) -> list[str]:
   """The lines of a markdown table of seed_groups' fact recall per bucket of the entity's training documents
-  (mean ± standard error over the seeds whose data has the bucket; their number is shown when some seed's
-  has not); [] when no point has an evaluation."""
+  (mean ± standard error over the seeds with an entity in the bucket; their number is shown when some seed has
+  none); [] when no point has an evaluation."""
   groups = [g for g in groups if g.get("recall_by_docs")]
   if not groups:
     return []

@@ -182,7 +182,7 @@ def test_collect_averages_seeds_with_standard_errors(tmp_path):
 
 def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
   """Each run's eval.json buckets (recall by the entity's training documents) averaged per point over the
-  seeds whose data has the bucket, the lower edges in order, the seed count shown where a seed lacks one."""
+  seeds with an entity in the bucket, the lower edges in order, the seed count shown where a seed has none."""
   sweep_dir = str(tmp_path / "routing")
   only = [f"{arm}-seed{s}" for arm in ("dense", "routed-prefix") for s in (0, 1, 2)]
   make_sweep(sweep_dir, "configs/moc.py:tiny", "routing", lambda r: 1.0, only=only)
