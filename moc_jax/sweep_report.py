@@ -151,10 +151,18 @@ def _eval_routing(workdir) -> dict:
 
 def _recall_by_docs(workdir) -> dict:
   """From WORKDIR/eval.json: {"recall_by_docs": {bucket: recall}}, the fact recall per bucket of the entity's
-  training-document count ("10-29", "1000+"; `moc_jax.eval --bucket_edges`), or {} without an evaluation. The
+  training-document count ("10-29", "1000+"; `moc_jax.eval --bucket_edges`), and with `--ablate_chapters=routed`
+  the same with every routable chapter zeroed ("recall_by_docs_without_bank"); {} without an evaluation. The
   training log scores a sample of all probes; this is where a run's recall of rare entities shows."""
-  buckets = (eval_report(workdir).get("fact_recall") or {}).get("buckets", [])
-  return {"recall_by_docs": {b["docs"]: b["acc"] for b in buckets}} if buckets else {}
+  report = eval_report(workdir)
+  out = {}
+  for key, recall in (("recall_by_docs", report.get("fact_recall")),
+                      ("recall_by_docs_without_bank", (report.get("ablation") or {}).get("fact_recall")
+                       if (report.get("ablation") or {}).get("spec") == "routed" else None)):
+    buckets = (recall or {}).get("buckets", [])
+    if buckets:
+      out[key] = {b["docs"]: b["acc"] for b in buckets}
+  return out
 
 
 def _min_docs(bucket: str) -> int:
@@ -182,12 +190,13 @@ def seed_groups(rows) -> list[dict]:
       values = [m[key] for m in members if m.get(key) is not None]
       if values:
         row[key], row[key + "_se"] = mean_and_se(values)
-    by_docs = {}
-    for m in members:  # a bucket can be empty in some runs (their corpora or --bucket_edges differ)
-      for bucket, recall in m.get("recall_by_docs", {}).items():
-        by_docs.setdefault(bucket, []).append(recall)
-    if by_docs:
-      row["recall_by_docs"] = {b: (*mean_and_se(by_docs[b]), len(by_docs[b])) for b in sorted(by_docs, key=_min_docs)}
+    for key in ("recall_by_docs", "recall_by_docs_without_bank"):
+      by_docs = {}
+      for m in members:  # a bucket can be empty in some runs (their corpora or --bucket_edges differ)
+        for bucket, recall in m.get(key, {}).items():
+          by_docs.setdefault(bucket, []).append(recall)
+      if by_docs:
+        row[key] = {b: (*mean_and_se(by_docs[b]), len(by_docs[b])) for b in sorted(by_docs, key=_min_docs)}
     out.append(row)
   return out
 
@@ -254,22 +263,26 @@ def seed_table(groups) -> list[str]:
 def recall_by_docs_table(groups) -> list[str]:
   """The lines of a markdown table of seed_groups' fact recall per bucket of the entity's training documents
   (mean ± standard error over the seeds with an entity in the bucket; their number is shown when some seed has
-  none); [] when no point has an evaluation."""
-  groups = [g for g in groups if g.get("recall_by_docs")]
-  if not groups:
+  none), then, for points evaluated with `--ablate_chapters=routed`, the same with the routable bank zeroed;
+  [] when no point has an evaluation."""
+  rows = [(g["point"], g["n"], g["recall_by_docs"]) for g in groups if g.get("recall_by_docs")]
+  rows += [(f"{g['point']}, routable bank zeroed", g["n"], g["recall_by_docs_without_bank"])
+           for g in groups if g.get("recall_by_docs_without_bank")]
+  if not rows:
     return []
-  buckets = sorted({b for g in groups for b in g["recall_by_docs"]}, key=_min_docs)
+  buckets = sorted({b for _, _, by_docs in rows for b in by_docs}, key=_min_docs)
 
-  def cell(g, bucket):
-    if bucket not in g["recall_by_docs"]:
+  def cell(by_docs, n_seeds, bucket):
+    if bucket not in by_docs:
       return ""
-    mean, se, n = g["recall_by_docs"][bucket]
-    seeds = "" if n == g["n"] else f" ({n} of {g['n']} seeds)"
+    mean, se, n = by_docs[bucket]
+    seeds = "" if n == n_seeds else f" ({n} of {n_seeds} seeds)"
     return f"{mean:.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}") + seeds
 
   header = ["| point | seeds | " + " | ".join(f"{b} docs" for b in buckets) + " |",
             "|---|---:|" + "---:|" * len(buckets)]
-  return header + [f"| {g['point']} | {g['n']} | " + " | ".join(cell(g, b) for b in buckets) + " |" for g in groups]
+  return header + [f"| {point} | {n} | " + " | ".join(cell(by_docs, n, b) for b in buckets) + " |"
+                   for point, n, by_docs in rows]
 
 
 def markdown(title, rows, fit_list, plots) -> str:

@@ -182,7 +182,8 @@ def test_collect_averages_seeds_with_standard_errors(tmp_path):
 
 def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
   """Each run's eval.json buckets (recall by the entity's training documents) averaged per point over the
-  seeds with an entity in the bucket, the lower edges in order, the seed count shown where a seed has none."""
+  seeds with an entity in the bucket, the lower edges in order, the seed count shown where a seed has none; a
+  point evaluated with the routable bank zeroed gets a second row."""
   sweep_dir = str(tmp_path / "routing")
   only = [f"{arm}-seed{s}" for arm in ("dense", "routed-prefix") for s in (0, 1, 2)]
   make_sweep(sweep_dir, "configs/moc.py:tiny", "routing", lambda r: 1.0, only=only)
@@ -192,8 +193,12 @@ def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
       buckets = [{"docs": "10-29", "min_docs": 10, "acc": rare[s]}]
       buckets += [] if common[s] is None else [{"docs": "100-299", "min_docs": 100, "acc": common[s]}]
       buckets.reverse()  # out of order: the table orders by lower edge
+      report = {"fact_recall": {"probe_acc": 0.5, "buckets": buckets}}
+      if arm == "routed-prefix":  # `--ablate_chapters=routed`: each bucket's recall falls by 0.1 * (seed + 1)
+        zeroed = [{**b, "acc": b["acc"] - 0.1 * (s + 1)} for b in buckets]
+        report["ablation"] = {"spec": "routed", "fact_recall": {"probe_acc": 0.4, "buckets": zeroed}}
       with open(os.path.join(sweep_dir, f"{arm}-seed{s}", "eval.json"), "w") as f:
-        json.dump({"fact_recall": {"probe_acc": 0.5, "buckets": buckets}}, f)
+        json.dump(report, f)
   text = sweep_report.collect(sweep_dir, str(tmp_path / "out"))
   se = lambda v: np.std(v, ddof=1) / math.sqrt(len(v))
   lines = text.splitlines()
@@ -202,6 +207,8 @@ def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
       lines[header + 2:header + 4])
   assert f"| routed-prefix | 3 | 0.450 ± {se([0.40, 0.50, 0.45]):.3f} | 1.000 ± 0.000 |" in (
       lines[header + 2:header + 4])
+  assert lines[header + 4] == (f"| routed-prefix, routable bank zeroed | 3 | 0.250 ± {se([0.30, 0.30, 0.15]):.3f} | "
+                               f"0.800 ± {se([0.9, 0.8, 0.7]):.3f} |")
   assert "recall_by_docs" not in open(tmp_path / "out" / "seeds.csv").readline()
   os.remove(os.path.join(sweep_dir, "dense-seed0", "eval.json"))  # without every seed's evaluation, still a row
   text = sweep_report.collect(sweep_dir, str(tmp_path / "o2"))
