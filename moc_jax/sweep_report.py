@@ -155,14 +155,11 @@ def _recall_by_docs(workdir) -> dict:
   the same with every routable chapter zeroed ("recall_by_docs_without_bank"); {} without an evaluation. The
   training log scores a sample of all probes; this is where a run's recall of rare entities shows."""
   report = eval_report(workdir)
-  out = {}
-  for key, recall in (("recall_by_docs", report.get("fact_recall")),
-                      ("recall_by_docs_without_bank", (report.get("ablation") or {}).get("fact_recall")
-                       if (report.get("ablation") or {}).get("spec") == "routed" else None)):
-    buckets = (recall or {}).get("buckets", [])
-    if buckets:
-      out[key] = {b["docs"]: b["acc"] for b in buckets}
-  return out
+  ablation = report.get("ablation") or {}
+  sources = {"recall_by_docs": report.get("fact_recall"),
+             "recall_by_docs_without_bank": ablation.get("fact_recall") if ablation.get("spec") == "routed" else None}
+  return {key: {b["docs"]: b["acc"] for b in recall["buckets"]}
+          for key, recall in sources.items() if recall and recall.get("buckets")}
 
 
 def _min_docs(bucket: str) -> int:
