@@ -3,19 +3,21 @@ configs/moc.py, big_vision's get_hyper), their run names, and launching them ide
 
 A sweep directory holds one workdir per point (named from its overrides, e.g. `k8-bank1040`) and
 manifest.jsonl, one line per point: name, overrides, workdir, command, status (pending | running | done |
-failed), return code, wall time. A point is done when its workdir holds the validation row and (if it
-holds checkpoints/) the checkpoint of its last step; a re-launch skips done points and re-runs the others
-in their workdirs, where moc_jax.main resumes from the newest checkpoint.
+failed; a run stopped at a checkpoint is pending), return code, wall time. A point is done when its workdir
+holds the validation row and (if it holds checkpoints/) the checkpoint of its last step; a re-launch skips
+done points and re-runs the others in their workdirs, where moc_jax.main resumes from the newest checkpoint.
 `python launch/sweep.py --help`; what the runs reached: moc_jax/sweep_report.py (launch/collect.py).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -290,7 +292,7 @@ class Launcher:
     self._save()
     print(f"sweep {self.dir}: {len(self.points) - len(todo)} of {len(self.points)} points done, running "
           f"{len(todo)} ({self.backend}, {parallel} at a time)", file=self.out, flush=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+    with _stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
       futures = running = {pool.submit(self._run_point, name) for name in todo}
       try:
         while running:  # a timeout, so that a Ctrl-C delivered to another thread is still seen here
@@ -344,11 +346,34 @@ class Launcher:
           break
     with self.lock:
       done = finished(e["workdir"], e["steps"])
+      # Exit 0 unfinished: the run was stopped from outside (a pre-emption) and saved a checkpoint to resume.
       e.update(returncode=rc, wall_s=round(e["wall_s"] + time.time() - t0, 1), attempts=e["attempts"] + 1,
-               status="done" if done else "pending" if self.stopping else "failed")
+               status="done" if done else "pending" if self.stopping or rc == 0 else "failed")
       self._save()
       print(f"sweep: {name} {e['status']} (exit {rc}) after {time.time() - t0:.0f} s; log {e['workdir']}/{LOG}",
             file=self.out, flush=True)
+
+
+@contextlib.contextmanager
+def _stop_signals():
+  """Ctrl-C and SIGTERM both stop a launch the same way (its runs save a checkpoint; the same command
+  resumes). SIGINT gets Python's handler back even where it was ignored: a shell starts `cmd &` with SIGINT
+  ignored, so without this a backgrounded sweep could be stopped only by killing it, which leaves its runs
+  (each in a session of its own) going. Signal handlers can only be set from the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+  previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
+  try:
+    yield
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
 
 
 def run_to_completion(sweep_dir, spec, sweep, points, parallel, harness) -> None:

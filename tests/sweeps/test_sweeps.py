@@ -298,6 +298,61 @@ def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypat
   assert manifest["k1"]["attempts"] == 1 and manifest["k2"]["attempts"] == 0
 
 
+LAUNCH_IN_BACKGROUND = textwrap.dedent("""
+    import signal, sys
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts `cmd &`
+    from moc_jax import sweeps
+    script, sweep_dir = sys.argv[1:]
+    sweeps.commands = lambda backend, spec, point, workdir, *_: [
+        [sys.executable, script, workdir, str(point.config.train.steps)]]
+    spec = "configs/moc.py:tiny"
+    launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1", "k2"]))
+    print(launcher.run(), flush=True)
+    """)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_backgrounded_sweep_stops_on_ctrl_c_or_sigterm(tmp_path, monkeypatch, fake_backend, signum):
+  """Started as a shell starts `cmd &` (SIGINT ignored), the sweep still stops on SIGINT, and on SIGTERM,
+  as on Ctrl-C: its running point is stopped at a checkpoint and left pending, the next one never starts."""
+  sweep_dir = tmp_path / "sw"
+  (tmp_path / "launch.py").write_text(LAUNCH_IN_BACKGROUND)
+  monkeypatch.setenv("SLOW", "k1")
+  proc = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "fake_main.py"),
+                           str(sweep_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  log, deadline = sweep_dir / "k1" / sweeps.LOG, time.time() + 120
+  while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
+    time.sleep(0.05)
+  try:
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert "{'pending': 2}" in out
+  assert fake_backend() == ["k1"]
+  assert [e["status"] for e in sweeps.read_manifest(str(sweep_dir))] == ["pending", "pending"]
+
+
+def test_a_point_stopped_from_outside_is_left_pending(tmp_path, monkeypatch, fake_backend):
+  """A run that exits 0 unfinished was stopped from outside (pre-empted; it saved a checkpoint): it is
+  pending, to resume, not failed."""
+  spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
+  monkeypatch.setenv("SLOW", "k1")
+  launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1"]))
+
+  def preempt_once_started():
+    log = Path(sweep_dir) / "k1" / sweeps.LOG
+    while not (log.exists() and "started" in log.read_text()):
+      time.sleep(0.05)
+    [proc] = launcher.procs
+    proc.terminate()
+
+  threading.Thread(target=preempt_once_started, daemon=True).start()
+  assert launcher.run() == {"pending": 1}
+  [entry] = sweeps.read_manifest(sweep_dir)
+  assert entry["returncode"] == 0 and entry["attempts"] == 1
+
+
 def test_finished_needs_the_last_evaluation_and_checkpoint(tmp_path):
   workdir = str(tmp_path)
   rows = [{"step": 10, "loss": 1.0}, {"step": 10, "split": "validation", "ce": 2.0}]
