@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import math
 import os
 import re
@@ -52,6 +53,7 @@ SIZES = {
 ARMS_STEPS = 0.5  # stages arms and bank train for this share of the config's steps (budget's shortest point)
 GOAL_Z = 2.0  # MoC's recall must beat the iso-FLOP vanilla's by this many combined standard errors
 GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean load
+EVAL_TIME = "eval_time.json"  # in a run's workdir: how long the harness's evaluation of it took
 
 
 def define_flags():
@@ -87,10 +89,14 @@ def _evaluate(runs, parallel):
 
   def one(run):
     workdir, moc = run
+    t0 = time.time()
     with open(os.path.join(workdir, "eval.log"), "w") as log:
       command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"]
       command += ["--ablate_chapters=routed"] if moc else []
       rc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if not rc:
+      with open(os.path.join(workdir, EVAL_TIME), "w") as f:
+        json.dump({"seconds": round(time.time() - t0, 1)}, f)
     return workdir, rc
 
   from moc_jax import sweep_report
@@ -116,17 +122,26 @@ def _groups(stage_dir) -> list[dict]:
 
 
 def run_stage(out, spec, stage, size, parallel, arm=None) -> dict:
-  """Trains and evaluates one stage; returns {groups, wall_s (the runs' own, summed), eval_s}."""
+  """Trains and evaluates one stage; returns {groups, wall_s, eval_s}: the runs' and the evaluations' own wall
+  times, each summed over the stage and over every invocation that worked on it."""
   from moc_jax import sweep_report, sweeps
   stage_dir = os.path.join(out, stage)
   points = _plan(spec, stage, size, arm)
   sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
-  t0 = time.time()
-  _evaluate([(os.path.join(stage_dir, p.name), sweeps.is_moc(p.config)) for p in points], parallel)
-  eval_s = time.time() - t0
+  workdirs = [os.path.join(stage_dir, p.name) for p in points]
+  _evaluate([(w, sweeps.is_moc(p.config)) for w, p in zip(workdirs, points)], parallel)
   sweep_report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
-  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": eval_s}
+  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs))}
+
+
+def _eval_seconds(workdir) -> float:
+  """How long the run's evaluation took, whichever invocation of the harness ran it (0 if unrecorded)."""
+  try:
+    with open(os.path.join(workdir, EVAL_TIME)) as f:
+      return json.load(f)["seconds"]
+  except FileNotFoundError:
+    return 0.0
 
 
 # ---- the evidence ---------------------------------------------------------------------------------------
@@ -226,7 +241,8 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
     if stage in stages:
       s = stages[stage]
       lines += [f"## {titles[stage]}", "", *sweep_report.seed_table(s["groups"]), "",
-                f"Runs {s['wall_s']:,.0f} s (summed), evaluations {s['eval_s']:,.0f} s; per run: {stage}/results.md.",
+                f"Runs {s['wall_s']:,.0f} s, evaluations {s['eval_s']:,.0f} s (each one's own wall time, summed over the "
+                f"stage and every invocation; runs side by side overlap); per run: {stage}/results.md.",
                 ""]
       if stage == "arms":
         causal = "causal" if is_causal(chosen) else "NOT causal: its CE counts what routing saw of later tokens"

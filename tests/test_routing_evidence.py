@@ -110,6 +110,14 @@ def test_evaluates_runs_without_an_ablated_eval_json(tmp_path, monkeypatch):
   assert [c[3:] for c in commands] == [[f"--workdir={runs['new']}", "--ablate_chapters=routed"],
                                        [f"--workdir={runs['old']}", "--ablate_chapters=routed"],
                                        [f"--workdir={runs['dense-new']}"]]
+  # Each evaluation's time is kept beside it, so a resumed harness still counts it; a failed one is not kept.
+  assert [evidence._eval_seconds(str(r)) >= 0 and (r / evidence.EVAL_TIME).exists() for r in runs.values()] == [
+      True, True, False, True, False]
+  monkeypatch.setattr(evidence.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 1))
+  (runs["new"] / evidence.EVAL_TIME).unlink()
+  with pytest.raises(SystemExit, match="evaluation of 1 run"):
+    evidence._evaluate([(str(runs["new"]), True)], 1)
+  assert evidence._eval_seconds(str(runs["new"])) == 0.0
 
 
 def test_evidence_lists_the_budget_stage_recall_by_entity_documents():
