@@ -1,5 +1,5 @@
 """`python -m moc_jax.routing_evidence --out=DIR [--quick] [--parallel=2] [--moc=POINT]
-[--config=configs/moc.py:tiny]`
+[--stages=arms,bank,budget] [--config=configs/moc.py:tiny]`
 
 Does the memory pay, and under which router? The evidence of docs/routing.md in one command, three stages,
 each a sweep of the config file run to completion in DIR/<stage>/ (resumable and idempotent like
@@ -19,6 +19,10 @@ zeroed: the recall the bank holds; each vanilla run once, for its recall by the 
 DIR/<stage>/results.md holds a stage's tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the
 three tables across seeds, each goal of the routing work, met or not, with its numbers, and the budget stage's
 recall by the entity's training documents.
+
+--stages runs some of the stages (the default size takes hours on a CPU: split it over sessions or machines
+sharing DIR). A stage left out is not run but still reported from what DIR holds of it, so evidence.md always
+covers the whole directory; without stage `arms` in DIR, --moc names the arm.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ def define_flags():
                            "routing, bank_seeds and budget define the runs")
   flags.DEFINE_string("moc", None, "The MoC arm of stage `arms` that stages bank and budget use, by point name "
                       "(e.g. routed-prefix); default: the causal arm with the highest mean fact recall.")
+  flags.DEFINE_list("stages", list(STAGES), "The stages to run, of arms, bank, budget; the others are reported from "
+                    "what DIR holds of them.")
 
 
 # ---- running --------------------------------------------------------------------------------------------
@@ -121,18 +127,24 @@ def _groups(stage_dir) -> list[dict]:
   return [{**g, "overrides": overrides[g["point"]]} for g in sweep_report.seed_groups(rows)]
 
 
-def run_stage(out, spec, stage, size, parallel, arm=None) -> dict:
-  """Trains and evaluates one stage; returns {groups, wall_s, eval_s}: the runs' and the evaluations' own wall
-  times, each summed over the stage and over every invocation that worked on it."""
+def stage_results(out, spec, stage, size, parallel, arm=None, run=True) -> dict | None:
+  """One stage: trained and evaluated when `run`, otherwise read from what DIR holds of it (None: nothing).
+  Returns {groups, wall_s, eval_s, run, done, points}: the runs' and the evaluations' own wall times, each
+  summed over the stage and over every invocation that worked on it; of the plan's points, how many finished."""
   from moc_jax import sweep_report, sweeps
   stage_dir = os.path.join(out, stage)
+  if not run and not os.path.exists(os.path.join(stage_dir, sweeps.MANIFEST)):
+    return None
   points = _plan(spec, stage, size, arm)
-  sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
   workdirs = [os.path.join(stage_dir, p.name) for p in points]
-  _evaluate([(w, sweeps.is_moc(p.config)) for w, p in zip(workdirs, points)], parallel)
+  if run:
+    sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
+    _evaluate([(w, sweeps.is_moc(p.config)) for w, p in zip(workdirs, points)], parallel)
   sweep_report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
-  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs))}
+  done = sum(sweeps.finished(w, p.config.train.steps) for w, p in zip(workdirs, points))
+  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs)), "run": run,
+          "done": done, "points": len(points)}
 
 
 def _eval_seconds(workdir) -> float:
@@ -168,6 +180,20 @@ def choose_arm(groups, name=None) -> dict:
   return max(causal, key=lambda g: (g.get("fact_recall", -math.inf), -g.get("val_ce", math.inf)))
 
 
+def named_arm(spec, name) -> dict:
+  """The MoC arm `name` of the `routing` sweep, from its plan (nothing trained): how stages bank and budget
+  run without stage `arms` in DIR."""
+  from moc_jax import sweeps
+  from moc_jax.errors import UsageError
+  if name is None:
+    raise UsageError("--stages: stage arms is neither run nor in --out, so nothing chooses the MoC arm; name it "
+                     "with --moc (e.g. --moc=routed-prefix)")
+  arms = {re.sub(r"-seed\d+$", "", p.name): p for p in sweeps.plan(spec, SWEEP_OF["arms"]) if sweeps.is_moc(p.config)}
+  if name not in arms:
+    raise UsageError(f"--moc={name}: no such MoC arm; the arms are {sorted(arms)}")
+  return {"point": name, "kind": "moc", "overrides": arms[name].overrides}
+
+
 def arm_overrides(group) -> dict:
   return {k: v for k, v in group["overrides"].items() if k in ARM_KEYS}
 
@@ -179,16 +205,26 @@ def z_gap(a, a_se, b, b_se) -> float:
 
 
 def goals(chosen, bank_groups, budget_groups) -> list[dict]:
-  """Each goal of the routing work: {goal, met, detail}."""
+  """Each goal of the routing work that DIR's stages can judge: {goal, met, detail}. `chosen` (the arm's group
+  in stage `arms`), `bank_groups` and `budget_groups` are None when their stage is not in DIR."""
   out = []
-  read, load = chosen.get("eval_used_frac", math.nan), chosen.get("eval_max_load", math.nan)
-  out.append({"goal": f"≥ {GOAL_READ:.0%} of routable chapters read over the validation split, max / mean load "
-                      f"≤ {GOAL_LOAD:g}", "met": read >= GOAL_READ and load <= GOAL_LOAD,
-              "detail": f"{chosen['point']}: {read:.3f} read, max / mean load {load:.2f}"})
-  para, other = chosen.get("paraphrase_jaccard", math.nan), chosen.get("other_entity_jaccard", math.nan)
-  out.append({"goal": "routing follows the entity: a paraphrase's chapters overlap more than another entity's",
-              "met": para > other, "detail": f"{chosen['point']}: Jaccard {para:.3f} paraphrase vs {other:.3f} "
-                                             "other entity"})
+  if chosen is not None:
+    read, load = chosen.get("eval_used_frac", math.nan), chosen.get("eval_max_load", math.nan)
+    out.append({"goal": f"≥ {GOAL_READ:.0%} of routable chapters read over the validation split, max / mean load "
+                        f"≤ {GOAL_LOAD:g}", "met": read >= GOAL_READ and load <= GOAL_LOAD,
+                "detail": f"{chosen['point']}: {read:.3f} read, max / mean load {load:.2f}"})
+    para, other = chosen.get("paraphrase_jaccard", math.nan), chosen.get("other_entity_jaccard", math.nan)
+    out.append({"goal": "routing follows the entity: a paraphrase's chapters overlap more than another entity's",
+                "met": para > other, "detail": f"{chosen['point']}: Jaccard {para:.3f} paraphrase vs {other:.3f} "
+                                               "other entity"})
+  if budget_groups is not None:
+    out.append(_beats_vanilla(budget_groups))
+  if bank_groups is not None:
+    out.append(_bank_monotone(bank_groups))
+  return out
+
+
+def _beats_vanilla(budget_groups) -> dict:
   by_steps = {}
   for g in budget_groups:
     by_steps.setdefault(g["overrides"]["train.steps"], {})[g["kind"]] = g
@@ -200,18 +236,20 @@ def goals(chosen, bank_groups, budget_groups) -> list[dict]:
       wins += z >= GOAL_Z
       gap = "one seed: no standard error" if math.isnan(z) else f"{z:+.1f} SE"
       details.append(f"{steps} steps: {m['fact_recall']:.3f} vs {d['fact_recall']:.3f} ({gap})")
-  out.append({"goal": f"MoC's fact recall beats the iso-FLOP vanilla's by ≥ {GOAL_Z:g} standard errors at equal "
-                      "training FLOPs", "met": wins > 0,
-              "detail": f"met at {wins} of {len(details)} budgets; " + "; ".join(details)})
+  return {"goal": f"MoC's fact recall beats the iso-FLOP vanilla's by ≥ {GOAL_Z:g} standard errors at equal "
+                  "training FLOPs", "met": wins > 0,
+          "detail": f"met at {wins} of {len(details)} budgets; " + "; ".join(details)}
+
+
+def _bank_monotone(bank_groups) -> dict:
   sizes = sorted((g["overrides"]["memory.num_tokens"], g) for g in bank_groups if g["kind"] == "moc")
   ce = [g["val_ce"] for _, g in sizes]
   recall = [g["fact_recall"] for _, g in sizes]
   monotone = (len(sizes) >= 4 and all(a > b for a, b in itertools.pairwise(ce))
               and all(a < b for a, b in itertools.pairwise(recall)))
-  out.append({"goal": "validation CE falls and fact recall rises at every step over ≥ 4 bank sizes at a fixed read",
-              "met": monotone, "detail": "; ".join(f"{n:,} tokens: CE {c:.4f}, recall {r:.3f}"
-                                                   for (n, _), c, r in zip(sizes, ce, recall))})
-  return out
+  return {"goal": "validation CE falls and fact recall rises at every step over ≥ 4 bank sizes at a fixed read",
+          "met": monotone, "detail": "; ".join(f"{n:,} tokens: CE {c:.4f}, recall {r:.3f}"
+                                               for (n, _), c, r in zip(sizes, ce, recall))}
 
 
 def held_by_bank(budget_groups) -> list[str]:
@@ -228,6 +266,8 @@ def held_by_bank(budget_groups) -> list[str]:
 
 
 def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
+  """evidence.md: each stage DIR holds (one not run by this invocation says how many of its runs finished),
+  the arm, the goals its stages can judge and the wall time."""
   from moc_jax import sweep_report
   flag = " --quick" if size_name == "quick" else ""
   lines = [f"# Routing evidence: `python -m moc_jax.routing_evidence --config={spec}{flag}`", "",
@@ -240,15 +280,22 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   for stage in STAGES:
     if stage in stages:
       s = stages[stage]
-      lines += [f"## {titles[stage]}", "", *sweep_report.seed_table(s["groups"]), "",
+      found = [] if s.get("run", True) else [
+          f"Not run by this invocation: {s['done']} of its {s['points']} runs have finished in {stage}/.", ""]
+      lines += [f"## {titles[stage]}", "", *found, *sweep_report.seed_table(s["groups"]), "",
                 f"Runs {s['wall_s']:,.0f} s, evaluations {s['eval_s']:,.0f} s (each one's own wall time, summed over the "
                 f"stage and every invocation; runs side by side overlap); per run: {stage}/results.md.",
                 ""]
       if stage == "arms":
         causal = "causal" if is_causal(chosen) else "NOT causal: its CE counts what routing saw of later tokens"
         lines += [f"Chosen MoC arm: **{chosen['point']}** ({arm_overrides(chosen)}; {causal}).", ""]
+  if "arms" not in stages:
+    lines += [f"MoC arm: **{chosen['point']}** (--moc; {arm_overrides(chosen)}).", ""]
   lines += ["## Goals", "", "| goal | met | numbers |", "|---|---|---|"]
   lines += [f"| {g['goal']} | {'yes' if g['met'] else '**no**'} | {g['detail']} |" for g in goal_list]
+  missing = [stage for stage in STAGES if stage not in stages]
+  if missing:
+    lines += ["", f"Not judged: the goals of stage(s) {', '.join(missing)}, which the directory does not hold."]
   budget = stages.get("budget", {}).get("groups", [])
   lines += ["", *held_by_bank(budget)]
   by_docs = sweep_report.recall_by_docs_table(budget)
@@ -259,17 +306,30 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   return "\n".join(lines + ["", f"Wall time of the runs and evaluations, summed: {total:,.0f} s.", ""])
 
 
-def run(out, spec, quick, parallel, moc=None) -> str:
+def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
+  """Runs `stages` and writes DIR/evidence.md over every stage DIR holds; returns its text."""
+  from moc_jax.errors import UsageError
   from moc_jax.train.peaks import cpu_model
+  unknown = sorted(set(stages) - set(STAGES))
+  if unknown or not stages:
+    raise UsageError(f"--stages={','.join(stages)}: name one or more of {', '.join(STAGES)}")
   size_name = "quick" if quick else "default"
   size, out = SIZES[size_name], os.path.abspath(out)
-  stages = {"arms": run_stage(out, spec, "arms", size, parallel)}
-  chosen = choose_arm(stages["arms"]["groups"], moc)
+  results = {}
+  arms = stage_results(out, spec, "arms", size, parallel, run="arms" in stages)
+  if arms is not None:
+    results["arms"] = arms
+  found = [g for g in (arms or {}).get("groups", []) if g["kind"] == "moc"]
+  in_arms = bool(found) and (moc is None or any(g["point"] == moc for g in found))
+  chosen = choose_arm(found, moc) if in_arms else named_arm(spec, moc)
   for stage in ("bank", "budget"):
-    stages[stage] = run_stage(out, spec, stage, size, parallel, arm_overrides(chosen))
+    result = stage_results(out, spec, stage, size, parallel, arm_overrides(chosen), run=stage in stages)
+    if result is not None:
+      results[stage] = result
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
-  text = markdown(spec, size_name, stages, chosen,
-                  goals(chosen, stages["bank"]["groups"], stages["budget"]["groups"]), machine)
+  judged = goals(chosen if in_arms else None,
+                 results.get("bank", {}).get("groups"), results.get("budget", {}).get("groups"))
+  text = markdown(spec, size_name, results, chosen, judged, machine)
   with open(os.path.join(out, "evidence.md"), "w") as f:
     f.write(text)
   return text
@@ -278,7 +338,7 @@ def run(out, spec, quick, parallel, moc=None) -> str:
 def main(argv):
   cli.begin(argv)
   cli.check_parallel(FLAGS.parallel)
-  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc))
+  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc, FLAGS.stages))
   print(f"{FLAGS.out}/evidence.md")
 
 

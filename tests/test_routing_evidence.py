@@ -131,3 +131,32 @@ def test_evidence_lists_the_budget_stage_recall_by_entity_documents():
   text = evidence.markdown("configs/moc.py:tiny", "default", stages, chosen, [], "a machine")
   assert ("| point | seeds | 10-29 docs | 100-299 docs |\n|---|---:|---:|---:|\n| steps900 | 3 | 0.400 ± 0.020 | "
           "0.950 ± 0.010 |\n| dense-mlp288-steps900 | 3 | 0.300 ± 0.010 | 0.970 (1 of 3 seeds) |") in text
+
+
+def test_stages_are_named_and_a_stage_without_arms_needs_the_arm_named(tmp_path):
+  """--stages takes arms, bank and budget; run without stage `arms` in --out, --moc must name a MoC arm of the
+  routing sweep, and the arm's overrides come from the sweep's plan. Each refusal comes before any training."""
+  spec = "configs/moc.py:tiny"
+  with pytest.raises(UsageError, match="--stages=bank,bnk: name one or more of arms, bank, budget"):
+    evidence.run(str(tmp_path), spec, True, 1, stages=["bank", "bnk"])
+  with pytest.raises(UsageError, match="name it with --moc"):
+    evidence.run(str(tmp_path), spec, True, 1, stages=["budget"])
+  with pytest.raises(UsageError, match="--moc=dense-mlp288: no such MoC arm; the arms are .*'routed-prefix'"):
+    evidence.run(str(tmp_path), spec, True, 1, moc="dense-mlp288", stages=["budget"])
+  assert list(tmp_path.iterdir()) == []
+  arm = evidence.named_arm(spec, "aux_free-segment")
+  assert evidence.arm_overrides(arm) == {"memory.load_balance": "aux_free", "memory.load_balance_coef": 0.0,
+                                         "memory.routing": "segment"}
+
+
+def test_goals_of_stages_not_in_the_directory_are_not_judged():
+  budget = _budget(0.60, 0.01, 0.55, 0.015, 900)
+  result = evidence.goals(None, None, budget)
+  assert [g["goal"].split(":")[0] for g in result] == [
+      "MoC's fact recall beats the iso-FLOP vanilla's by ≥ 2 standard errors at equal training FLOPs"]
+  stages = {"budget": {"groups": budget, "wall_s": 10.0, "eval_s": 5.0, "run": False, "done": 2, "points": 6}}
+  text = evidence.markdown("configs/moc.py:tiny", "default", stages, group("routed-prefix", overrides={
+      "memory.load_balance": "routed", "memory.routing": "prefix"}), result, "a machine")
+  assert "Not run by this invocation: 2 of its 6 runs have finished in budget/." in text
+  assert "MoC arm: **routed-prefix** (--moc; {'memory.load_balance': 'routed', 'memory.routing': 'prefix'})" in text
+  assert "Not judged: the goals of stage(s) arms, bank, which the directory does not hold." in text
