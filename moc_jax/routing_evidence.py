@@ -58,6 +58,7 @@ ARMS_STEPS = 0.5  # stages arms and bank train for this share of the config's st
 GOAL_Z = 2.0  # MoC's recall must beat the iso-FLOP vanilla's by this many combined standard errors
 GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean load
 EVAL_TIME = "eval_time.json"  # in a run's workdir: how long the harness's evaluation of it took
+REUSED = "reused.json"  # in a run's workdir: the earlier stage's identical run it was copied from
 
 
 def define_flags():
@@ -127,10 +128,13 @@ def _groups(stage_dir) -> list[dict]:
   return [{**g, "overrides": overrides[g["point"]]} for g in sweep_report.seed_groups(rows)]
 
 
-def stage_results(out, spec, stage, size, parallel, arm=None, run=True) -> dict | None:
-  """One stage: trained and evaluated when `run`, otherwise read from what DIR holds of it (None: nothing).
-  Returns {groups, wall_s, eval_s, run, done, points}: the runs' and the evaluations' own wall times, each
-  summed over the stage and over every invocation that worked on it; of the plan's points, how many finished."""
+def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=()) -> dict | None:
+  """One stage: trained and evaluated when `run` (a point that is the same run as one of `earlier`, the
+  finished (config, workdir) pairs of the stages before it, is copied from it, not trained again), otherwise
+  read from what DIR holds of it (None: nothing). Returns {groups, wall_s, eval_s, run, done, points, reused,
+  finished}: the runs' and the evaluations' own wall times, each summed over the stage and over every
+  invocation that worked on it; of the plan's points, how many finished and how many are copies; the finished
+  (config, workdir) pairs."""
   from moc_jax import sweep_report, sweeps
   stage_dir = os.path.join(out, stage)
   if not run and not os.path.exists(os.path.join(stage_dir, sweeps.MANIFEST)):
@@ -138,13 +142,35 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True) -> dict 
   points = _plan(spec, stage, size, arm)
   workdirs = [os.path.join(stage_dir, p.name) for p in points]
   if run:
+    _reuse(points, workdirs, earlier)
     sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
     _evaluate([(w, sweeps.is_moc(p.config)) for w, p in zip(workdirs, points)], parallel)
   sweep_report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
-  done = sum(sweeps.finished(w, p.config.train.steps) for w, p in zip(workdirs, points))
+  done = [(p.config, w) for w, p in zip(workdirs, points) if sweeps.finished(w, p.config.train.steps)]
   return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs)), "run": run,
-          "done": done, "points": len(points)}
+          "done": len(done), "points": len(points), "finished": done,
+          "reused": sum(os.path.exists(os.path.join(w, REUSED)) for w in workdirs)}
+
+
+def _reuse(points, workdirs, earlier) -> None:
+  """Copies into each point's new workdir an earlier stage's finished run that is the same run
+  (sweeps.same_run): the stages share points (the chosen arm at the steps of `arms` is also the config's bank
+  in `bank` and the shortest budget in `budget`, as is its vanilla), and training one again only gives the same
+  losses. Its evaluation comes along; the time it took does not (this stage spent none on it)."""
+  import shutil
+  from moc_jax import sweeps
+  for point, workdir in zip(points, workdirs):
+    source = None if os.path.exists(workdir) else next(
+        (w for config, w in earlier if sweeps.same_run(point.config, config)), None)
+    if source is None:
+      continue
+    shutil.rmtree(workdir + ".partial", ignore_errors=True)  # what a copy cut short left
+    shutil.copytree(source, workdir + ".partial", ignore=shutil.ignore_patterns(EVAL_TIME, ".lock"))
+    with open(os.path.join(workdir + ".partial", REUSED), "w") as f:
+      json.dump({"from": source}, f)
+    os.rename(workdir + ".partial", workdir)  # a copy cut short never looks like a run
+    print(f"routing_evidence: {workdir} is the same run as {source}: copied, not trained again", flush=True)
 
 
 def _eval_seconds(workdir) -> float:
@@ -282,6 +308,9 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
       s = stages[stage]
       found = [] if s.get("run", True) else [
           f"Not run by this invocation: {s['done']} of its {s['points']} runs have finished in {stage}/.", ""]
+      if s.get("reused"):
+        found += [f"{s['reused']} of its runs are copies of an earlier stage's identical run ({REUSED} in the "
+                  "run's directory names it), not trained again.", ""]
       lines += [f"## {titles[stage]}", "", *found, *sweep_report.seed_table(s["groups"]), "",
                 f"Runs {s['wall_s']:,.0f} s, evaluations {s['eval_s']:,.0f} s (each one's own wall time, summed over the "
                 f"stage and every invocation; runs side by side overlap); per run: {stage}/results.md.",
@@ -317,15 +346,17 @@ def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
   size, out = SIZES[size_name], os.path.abspath(out)
   results = {}
   arms = stage_results(out, spec, "arms", size, parallel, run="arms" in stages)
+  earlier = list((arms or {}).get("finished", []))
   if arms is not None:
     results["arms"] = arms
   found = [g for g in (arms or {}).get("groups", []) if g["kind"] == "moc"]
   in_arms = bool(found) and (moc is None or any(g["point"] == moc for g in found))
   chosen = choose_arm(found, moc) if in_arms else named_arm(spec, moc)
   for stage in ("bank", "budget"):
-    result = stage_results(out, spec, stage, size, parallel, arm_overrides(chosen), run=stage in stages)
+    result = stage_results(out, spec, stage, size, parallel, arm_overrides(chosen), stage in stages, earlier)
     if result is not None:
       results[stage] = result
+      earlier += result["finished"]
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
   judged = goals(chosen if in_arms else None,
                  results.get("bank", {}).get("groups"), results.get("budget", {}).get("groups"))

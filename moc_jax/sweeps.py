@@ -150,6 +150,22 @@ def is_moc(config) -> bool:
   return bool(config.memory.enabled and memory_layers(config))
 
 
+def same_run(a, b) -> bool:
+  """Whether two resolved configs train the same run, so that one's finished workdir stands for the other's.
+  They must be equal but for two things no step reads: when they evaluate, while both evaluate only at step 0
+  and at their end (train.eval_every ≥ train.steps), and, in a model without memory layers, the memory fields
+  beyond memory.enabled and memory.placement. The same config and seed then give the same losses and the same
+  final evaluation (tests/sweeps/test_same_run.py trains both sides)."""
+  def key(config):
+    c = config.to_dict()
+    if c["train"]["eval_every"] >= c["train"]["steps"]:
+      c["train"]["eval_every"] = "end"
+    if not memory_layers(config):
+      c["memory"] = {k: c["memory"][k] for k in ("enabled", "placement")}
+    return c
+  return key(a) == key(b)
+
+
 # ---- run state --------------------------------------------------------------------------------------
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -160,3 +160,27 @@ def test_goals_of_stages_not_in_the_directory_are_not_judged():
   assert "Not run by this invocation: 2 of its 6 runs have finished in budget/." in text
   assert "MoC arm: **routed-prefix** (--moc; {'memory.load_balance': 'routed', 'memory.routing': 'prefix'})" in text
   assert "Not judged: the goals of stage(s) arms, bank, which the directory does not hold." in text
+
+
+def test_a_point_an_earlier_stage_already_trained_is_copied_not_trained_again(tmp_path):
+  """The same run (sweeps.same_run) of an earlier stage is copied into a new point's workdir with its evaluation
+  but without the time the evaluation took or the lock; a point with a workdir of its own, or no same run, is
+  left alone."""
+  from moc_jax import sweeps
+  resolve = lambda **o: sweeps.resolve("configs/moc.py:tiny", {"train.steps": 450, **o})
+  source = tmp_path / "arms" / "routed-prefix-seed0"
+  source.mkdir(parents=True)
+  for name, text in {"metrics.jsonl": "{}\n", "eval.json": "{}", evidence.EVAL_TIME: "{}", ".lock": "1"}.items():
+    (source / name).write_text(text)
+  earlier = [(resolve(**{"train.eval_every": 450}), str(source))]
+  points = [sweeps.Point(name, {}, resolve(**o)) for name, o in (
+      ("steps450-seed0", {"train.eval_every": 1800}), ("kept", {"train.eval_every": 1800}),
+      ("steps900-seed0", {"train.steps": 900, "train.eval_every": 1800}))]
+  workdirs = [str(tmp_path / "budget" / p.name) for p in points]
+  (tmp_path / "budget" / "kept").mkdir(parents=True)
+  evidence._reuse(points, workdirs, earlier)
+  copied = tmp_path / "budget" / "steps450-seed0"
+  assert sorted(f.name for f in copied.iterdir()) == ["eval.json", "metrics.jsonl", evidence.REUSED]
+  assert json.loads((copied / evidence.REUSED).read_text()) == {"from": str(source)}
+  assert list((tmp_path / "budget" / "kept").iterdir()) == []
+  assert sorted(f.name for f in (tmp_path / "budget").iterdir()) == ["kept", "steps450-seed0"]
