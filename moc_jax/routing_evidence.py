@@ -1,5 +1,5 @@
 """`python -m moc_jax.routing_evidence --out=DIR [--quick] [--parallel=2] [--moc=POINT]
-[--stages=arms,bank,budget] [--config=configs/moc.py:tiny]`
+[--stages=arms,bank,budget] [--only=POINT,...] [--config=configs/moc.py:tiny]`
 
 Does the memory pay, and under which router? The evidence of docs/routing.md in one command, three stages,
 each a sweep of the config file run to completion in DIR/<stage>/ (resumable and idempotent like
@@ -22,7 +22,8 @@ recall by the entity's training documents.
 
 --stages runs some of the stages (the default size takes hours on a CPU: split it over sessions or machines
 sharing DIR). A stage left out is not run but still reported from what DIR holds of it, so evidence.md always
-covers the whole directory; without stage `arms` in DIR, --moc names the arm.
+covers the whole directory; without stage `arms` in DIR, --moc names the arm. --only narrows the stages run to
+the points it names (e.g. one budget of stage `budget`).
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def define_flags():
                       "(e.g. routed-prefix); default: the causal arm with the highest mean fact recall.")
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of arms, bank, budget; the others are reported from "
                     "what DIR holds of them.")
+  flags.DEFINE_list("only", None, "Run only these points of the stages run, by run name (e.g. steps900-seed0); "
+                    "default: all.")
 
 
 # ---- running --------------------------------------------------------------------------------------------
@@ -128,13 +131,13 @@ def _groups(stage_dir) -> list[dict]:
   return [{**g, "overrides": overrides[g["point"]]} for g in sweep_report.seed_groups(rows)]
 
 
-def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=()) -> dict | None:
+def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=(), only=None) -> dict | None:
   """One stage: trained and evaluated when `run` (a point that is the same run as one of `earlier`, the
   finished (config, workdir) pairs of the stages before it, is copied from it, not trained again), otherwise
   read from what DIR holds of it (None: nothing). Returns {groups, wall_s, eval_s, run, done, points, reused,
   finished}: the runs' and the evaluations' own wall times, each summed over the stage and over every
   invocation that worked on it; of the plan's points, how many finished and how many are copies; the finished
-  (config, workdir) pairs."""
+  (config, workdir) pairs. `only`: the names of the points to run (default all)."""
   from moc_jax import sweep_report, sweeps
   stage_dir = os.path.join(out, stage)
   if not run and not os.path.exists(os.path.join(stage_dir, sweeps.MANIFEST)):
@@ -142,9 +145,11 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=
   points = _plan(spec, stage, size, arm)
   workdirs = [os.path.join(stage_dir, p.name) for p in points]
   if run:
-    _reuse(points, workdirs, earlier)
-    sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], points, parallel, "routing_evidence")
-    _evaluate([(w, sweeps.is_moc(p.config)) for w, p in zip(workdirs, points)], parallel)
+    todo = [p for p in points if only is None or p.name in only]
+    dirs = [os.path.join(stage_dir, p.name) for p in todo]
+    _reuse(todo, dirs, earlier)
+    sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], todo, parallel, "routing_evidence")
+    _evaluate([(w, sweeps.is_moc(p.config)) for p, w in zip(todo, dirs)], parallel)
   sweep_report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
   done = [(p.config, w) for w, p in zip(workdirs, points) if sweeps.finished(w, p.config.train.steps)]
@@ -306,8 +311,10 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   for stage in STAGES:
     if stage in stages:
       s = stages[stage]
-      found = [] if s.get("run", True) else [
-          f"Not run by this invocation: {s['done']} of its {s['points']} runs have finished in {stage}/.", ""]
+      found = ([f"Not run by this invocation: {s['done']} of its {s['points']} runs have finished in {stage}/.", ""]
+               if not s.get("run", True) else
+               [f"{s['done']} of its {s['points']} runs have finished (--only left the others out).", ""]
+               if s.get("done", 0) < s.get("points", 0) else [])
       if s.get("reused"):
         found += [f"{s['reused']} of its runs are copies of an earlier stage's identical run ({REUSED} in the "
                   "run's directory names it), not trained again.", ""]
@@ -335,8 +342,9 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   return "\n".join(lines + ["", f"Wall time of the runs and evaluations, summed: {total:,.0f} s.", ""])
 
 
-def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
-  """Runs `stages` and writes DIR/evidence.md over every stage DIR holds; returns its text."""
+def run(out, spec, quick, parallel, moc=None, stages=STAGES, only=None) -> str:
+  """Runs `stages` (their points named in `only`, default all) and writes DIR/evidence.md over every stage DIR
+  holds; returns its text."""
   from moc_jax.errors import UsageError
   from moc_jax.train.peaks import cpu_model
   unknown = sorted(set(stages) - set(STAGES))
@@ -344,8 +352,13 @@ def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
     raise UsageError(f"--stages={','.join(stages)}: name one or more of {', '.join(STAGES)}")
   size_name = "quick" if quick else "default"
   size, out = SIZES[size_name], os.path.abspath(out)
+  if only is not None:  # point names do not depend on the arm
+    names = {p.name for stage in stages for p in _plan(spec, stage, size)}
+    if set(only) - names:
+      raise UsageError(f"--only: no points {sorted(set(only) - names)} in stage(s) {','.join(stages)}; they have "
+                       f"{sorted(names)}")
   results = {}
-  arms = stage_results(out, spec, "arms", size, parallel, run="arms" in stages)
+  arms = stage_results(out, spec, "arms", size, parallel, run="arms" in stages, only=only)
   earlier = list((arms or {}).get("finished", []))
   if arms is not None:
     results["arms"] = arms
@@ -353,7 +366,7 @@ def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
   in_arms = bool(found) and (moc is None or any(g["point"] == moc for g in found))
   chosen = choose_arm(found, moc) if in_arms else named_arm(spec, moc)
   for stage in ("bank", "budget"):
-    result = stage_results(out, spec, stage, size, parallel, arm_overrides(chosen), stage in stages, earlier)
+    result = stage_results(out, spec, stage, size, parallel, arm_overrides(chosen), stage in stages, earlier, only)
     if result is not None:
       results[stage] = result
       earlier += result["finished"]
@@ -369,7 +382,7 @@ def run(out, spec, quick, parallel, moc=None, stages=STAGES) -> str:
 def main(argv):
   cli.begin(argv)
   cli.check_parallel(FLAGS.parallel)
-  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc, FLAGS.stages))
+  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc, FLAGS.stages, FLAGS.only))
   print(f"{FLAGS.out}/evidence.md")
 
 

@@ -184,3 +184,16 @@ def test_a_point_an_earlier_stage_already_trained_is_copied_not_trained_again(tm
   assert json.loads((copied / evidence.REUSED).read_text()) == {"from": str(source)}
   assert list((tmp_path / "budget" / "kept").iterdir()) == []
   assert sorted(f.name for f in (tmp_path / "budget").iterdir()) == ["kept", "steps450-seed0"]
+
+
+def test_only_names_points_of_the_stages_run(tmp_path):
+  """--only must name points of the stages run (refused before any training); a stage run with some of its points
+  says how many of them have finished."""
+  with pytest.raises(UsageError, match=r"--only: no points \['routed-prefix-seed0'\] in stage\(s\) budget"):
+    evidence.run(str(tmp_path), "configs/moc.py:tiny", True, 1, moc="routed-prefix", stages=["budget"],
+                  only=["steps2-seed0", "routed-prefix-seed0"])
+  assert list(tmp_path.iterdir()) == []
+  budget = _budget(0.60, 0.01, 0.55, 0.015, 900)
+  stages = {"budget": {"groups": budget, "wall_s": 1.0, "eval_s": 1.0, "run": True, "done": 4, "points": 6}}
+  text = evidence.markdown("configs/moc.py:tiny", "default", stages, group("routed-prefix"), [], "a machine")
+  assert "4 of its 6 runs have finished (--only left the others out)." in text
