@@ -316,8 +316,9 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
                [f"{s['done']} of its {s['points']} runs have finished (--only left the others out).", ""]
                if s.get("done", 0) < s.get("points", 0) else [])
       if s.get("reused"):
-        found += [f"{s['reused']} of its runs are copies of an earlier stage's identical run ({REUSED} in the "
-                  "run's directory names it), not trained again.", ""]
+        copies = "is a copy" if s["reused"] == 1 else "are copies"
+        found += [f"{s['reused']} of its runs {copies} of an earlier stage's identical run ({REUSED} in the run's "
+                  "directory names it), not trained again.", ""]
       lines += [f"## {titles[stage]}", "", *found, *sweep_report.seed_table(s["groups"]), "",
                 f"Runs {s['wall_s']:,.0f} s, evaluations {s['eval_s']:,.0f} s (each one's own wall time, summed over the "
                 f"stage and every invocation; runs side by side overlap); per run: {stage}/results.md.",

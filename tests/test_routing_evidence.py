@@ -194,6 +194,8 @@ def test_only_names_points_of_the_stages_run(tmp_path):
                   only=["steps2-seed0", "routed-prefix-seed0"])
   assert list(tmp_path.iterdir()) == []
   budget = _budget(0.60, 0.01, 0.55, 0.015, 900)
-  stages = {"budget": {"groups": budget, "wall_s": 1.0, "eval_s": 1.0, "run": True, "done": 4, "points": 6}}
+  stages = {"budget": {"groups": budget, "wall_s": 1.0, "eval_s": 1.0, "run": True, "done": 4, "points": 6,
+                       "reused": 1}}
   text = evidence.markdown("configs/moc.py:tiny", "default", stages, group("routed-prefix"), [], "a machine")
   assert "4 of its 6 runs have finished (--only left the others out)." in text
+  assert "1 of its runs is a copy of an earlier stage's identical run (reused.json" in text
