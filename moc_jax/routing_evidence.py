@@ -20,7 +20,7 @@ DIR/<stage>/results.md holds a stage's tables (moc_jax/sweep_report.py); DIR/evi
 three tables across seeds, each goal of the routing work, met or not, with its numbers, and the budget stage's
 recall by the entity's training documents.
 
---stages runs some of the stages (the default size takes hours on a CPU: split it over sessions or machines
+--stages runs some of the stages (the default size takes hours on a CPU: split it over invocations or machines
 sharing DIR). A stage left out is not run but still reported from what DIR holds of it, so evidence.md always
 covers the whole directory; without stage `arms` in DIR, --moc names the arm. --only narrows the stages run to
 the points it names (e.g. one budget of stage `budget`).
