@@ -94,8 +94,12 @@ def _evaluate(runs, parallel):
   """`python -m moc_jax.eval` on each run (`runs`: (workdir, is MoC) pairs) not yet evaluated, `parallel` at a
   time (log: eval.log): a MoC run also with every routable chapter zeroed (`--ablate_chapters=routed`: the
   recall the bank holds), so one whose eval.json has no ablation (written before the harness asked for one) is
-  evaluated again; a vanilla run once, for its recall by the entity's training documents."""
+  evaluated again; a vanilla run once, for its recall by the entity's training documents. Ctrl-C or SIGTERM
+  stops the running evaluations and the harness; the same command evaluates them again."""
+  import threading
+  from moc_jax import sweep_report, sweeps
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+  lock, running, stopping = threading.Lock(), set(), threading.Event()
 
   def one(run):
     workdir, moc = run
@@ -103,21 +107,39 @@ def _evaluate(runs, parallel):
     with open(os.path.join(workdir, "eval.log"), "w") as log:
       command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"]
       command += ["--ablate_chapters=routed"] if moc else []
-      rc = subprocess.run(command, check=False, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+      with lock:
+        if stopping.is_set():
+          return workdir, None
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        running.add(proc)
+      rc = proc.wait()
+      with lock:
+        running.discard(proc)
     if not rc:
       with open(os.path.join(workdir, EVAL_TIME), "w") as f:
         json.dump({"seconds": round(time.time() - t0, 1)}, f)
     return workdir, rc
-
-  from moc_jax import sweep_report
 
   def evaluated(workdir, moc):
     report = sweep_report.eval_report(workdir)
     return "ablation" in report if moc else bool(report)
 
   todo = [(w, moc) for w, moc in runs if not evaluated(w, moc)]
-  with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-    failed = [w for w, rc in pool.map(one, todo) if rc]
+  with sweeps.stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+    futures = []
+    try:  # the signal may come while the evaluations are being submitted
+      for run in todo:
+        futures.append(pool.submit(one, run))
+      sweeps.wait_all(futures)
+    except KeyboardInterrupt:
+      with lock:
+        stopping.set()
+        for proc in running:
+          proc.terminate()
+      concurrent.futures.wait(futures)
+      raise SystemExit("routing_evidence: interrupted; the evaluations that had not finished run again when the "
+                       "same command is re-run") from None
+  failed = [w for w, rc in (f.result() for f in futures) if rc]
   if failed:
     raise SystemExit(f"routing_evidence: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
                      "re-run the same command")

@@ -308,13 +308,12 @@ class Launcher:
     self._save()
     print(f"sweep {self.dir}: {len(self.points) - len(todo)} of {len(self.points)} points done, running "
           f"{len(todo)} ({self.backend}, {parallel} at a time)", file=self.out, flush=True)
-    with _stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-      futures = running = {pool.submit(self._run_point, name) for name in todo}
-      try:
-        while running:  # a timeout, so that a Ctrl-C delivered to another thread is still seen here
-          finished_now, running = concurrent.futures.wait(running, timeout=1.0)
-          for f in finished_now:
-            f.result()
+    with stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+      futures = []
+      try:  # the signal may come while the points are being submitted
+        for name in todo:
+          futures.append(pool.submit(self._run_point, name))
+        wait_all(futures)
       except KeyboardInterrupt:
         with self.lock:
           self.stopping = True
@@ -370,8 +369,18 @@ class Launcher:
             file=self.out, flush=True)
 
 
+def wait_all(futures) -> None:
+  """Waits for every future, raising the first failure, a second at a time: so that a Ctrl-C (or a SIGTERM
+  under stop_signals) delivered while the pool's threads work is still raised here, in the main thread."""
+  running = set(futures)
+  while running:
+    finished_now, running = concurrent.futures.wait(running, timeout=1.0)
+    for f in finished_now:
+      f.result()
+
+
 @contextlib.contextmanager
-def _stop_signals():
+def stop_signals():
   """Ctrl-C and SIGTERM both stop a launch the same way (its runs save a checkpoint; the same command
   resumes). SIGINT gets Python's handler back even where it was ignored: a shell starts `cmd &` with SIGINT
   ignored, so without this a backgrounded sweep could be stopped only by killing it, which leaves its runs
