@@ -35,6 +35,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 from absl import flags
@@ -96,7 +97,6 @@ def _evaluate(runs, parallel):
   recall the bank holds), so one whose eval.json has no ablation (written before the harness asked for one) is
   evaluated again; a vanilla run once, for its recall by the entity's training documents. Ctrl-C or SIGTERM
   stops the running evaluations and the harness; the same command evaluates them again."""
-  import threading
   from moc_jax import sweep_report, sweeps
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
   lock, running, stopping = threading.Lock(), set(), threading.Event()
