@@ -165,7 +165,7 @@ def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback
     assert np.linalg.norm(gp - gx) <= 1e-5 * max(np.linalg.norm(gx), 1e-12), (path, seed)
 
 
-@pytest.mark.parametrize("routing", ["token", "chunk"])
+@pytest.mark.parametrize("routing", ["token", pytest.param("chunk", marks=pytest.mark.slow)])
 def test_small_calls_project_only_the_chapters_they_name(routing):
   """Fewer (decision, slot) pairs than chapters -> only the distinct chapters named are projected;
   the result equals projecting the whole bank."""
