@@ -188,6 +188,7 @@ def data_config() -> config_dict.ConfigDict:
   c.text_field = "text"
   c.chat_format = "plain"       # plain (MoC-PT's <|user|> fallback) | chatml
 
+  # the moc_facts corpus: these are its only defaults (data/facts.py's MocFactsConfig is built from them)
   f = c.facts = config_dict.ConfigDict()
   f.num_entities = 2000
   f.seed = 0

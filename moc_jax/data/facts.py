@@ -107,20 +107,20 @@ NUM_TRAIN_TEMPLATES = 4
 
 @dataclasses.dataclass(kw_only=True)
 class MocFactsConfig(tfds.core.BuilderConfig):
-  """Corpus sizes and seed; `for_sizes` names the config after them so each size gets its own cache dir."""
+  """Corpus sizes and seed. No defaults here: `config.data.facts` (config/schema.py) is their one home, and
+  `for_sizes` builds this from it, naming the config after the sizes so each gets its own cache dir."""
 
-  num_entities: int = 2000
-  seed: int = 0
-  zipf_a: float = 1.1
-  num_docs: int = 20_000
-  num_val_docs: int = 1000
-  probes_per_fact: int = 1
-  num_candidates: int = 4
+  num_entities: int
+  seed: int
+  zipf_a: float
+  num_docs: int
+  num_val_docs: int
+  probes_per_fact: int
+  num_candidates: int
 
   @classmethod
   def for_sizes(cls, facts) -> "MocFactsConfig":
-    fields = {f: facts[f] for f in ("num_entities", "seed", "zipf_a", "num_docs", "num_val_docs",
-                                    "probes_per_fact", "num_candidates")}
+    fields = dict(facts)
     name = ("e{num_entities}_d{num_docs}_v{num_val_docs}_z{zipf_a}_s{seed}_p{probes_per_fact}"
             "_c{num_candidates}").format(**fields)
     return cls(name=name, description="moc_facts with " + name, **fields)
