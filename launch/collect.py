@@ -1,4 +1,4 @@
-"""Collects a sweep (moc_jax/sweep_report.py): results.csv, results.md and loss_vs_*.png, the table printed.
+"""Collects a sweep (experiments/sweeps/report.py): results.csv, results.md and loss_vs_*.png, the table printed.
 
   python launch/collect.py sweeps/moc-tiny-demo [--out docs/sweeps]
 """
@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moc_jax import sweep_report  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the studies beside moc_jax
+from experiments.sweeps import report  # noqa: E402
 
 
 def main(argv=None):
@@ -16,7 +16,7 @@ def main(argv=None):
   parser.add_argument("--out", help="where to write the table and plots (default: sweep_dir)")
   args = parser.parse_args(argv)
   try:
-    print(sweep_report.collect(args.sweep_dir, args.out), end="")
+    print(report.collect(args.sweep_dir, args.out), end="")
   except FileNotFoundError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -1,4 +1,4 @@
-r"""Launches a sweep of configs/moc.py (moc_jax/sweeps.py): one workdir per point under sweeps/<name>/,
+r"""Launches a sweep of configs/moc.py (experiments/sweeps/): one workdir per point under sweeps/<name>/,
 manifest.jsonl, finished points skipped and interrupted ones resumed; then collects the results.
 
   python launch/sweep.py --config=configs/moc.py:tiny --sweep=topk_bank --backend=local [--parallel 2]
@@ -18,8 +18,10 @@ import time
 
 LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(LAUNCH_DIR)
-sys.path.insert(0, REPO)  # an uninstalled checkout runs its own moc_jax
-from moc_jax import sweep_report, sweeps  # noqa: E402
+sys.path.insert(0, REPO)  # the studies beside moc_jax; an uninstalled checkout runs its own moc_jax
+from experiments.sweeps import report  # noqa: E402
+from experiments.sweeps.launch import BACKENDS, Launcher  # noqa: E402
+from experiments.sweeps.plan import default_name, plan  # noqa: E402
 from moc_jax.errors import ConfigError  # noqa: E402
 
 
@@ -30,7 +32,7 @@ def main(argv=None):
   parser.add_argument("--config", required=True, help="config file and argument, e.g. configs/moc.py:tiny")
   parser.add_argument("--sweep", required=True, help="a sweep the config file defines, e.g. topk, bank, topk_bank, "
                       "iso_flop, demo")
-  parser.add_argument("--backend", choices=sweeps.BACKENDS, default="local")
+  parser.add_argument("--backend", choices=BACKENDS, default="local")
   parser.add_argument("--backend_args", default="", help="options for launch/tpu_pod.sh (--name, --zone, ...) "
                       "or for sbatch (--nodes=N, ...), as one shell-quoted string")
   parser.add_argument("--parallel", type=int, default=1, help="points running at once")
@@ -46,11 +48,11 @@ def main(argv=None):
   if args.parallel < 1:
     parser.error("--parallel must be >= 1")
   extra = dict(a[len("--config."):].split("=", 1) for a in rest)
-  sweep_dir = os.path.join(args.root, args.name or sweeps.default_name(args.config, args.sweep))
+  sweep_dir = os.path.join(args.root, args.name or default_name(args.config, args.sweep))
   try:
-    points = sweeps.plan(args.config, args.sweep, extra, args.only.split(",") if args.only else None)
-    launcher = sweeps.Launcher(sweep_dir, args.config, args.sweep, points, args.backend,
-                               shlex.split(args.backend_args), launch_dir=LAUNCH_DIR, python_path=(REPO,))
+    points = plan(args.config, args.sweep, extra, args.only.split(",") if args.only else None)
+    launcher = Launcher(sweep_dir, args.config, args.sweep, points, args.backend,
+                        shlex.split(args.backend_args), launch_dir=LAUNCH_DIR, python_path=(REPO,))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -59,7 +61,7 @@ def main(argv=None):
     return 0
   t0 = time.time()
   counts = launcher.run(args.parallel)
-  print(sweep_report.collect(sweep_dir, args.report_dir))
+  print(report.collect(sweep_dir, args.report_dir))
   print(f"sweep {sweep_dir}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         + f" ({time.time() - t0:.0f} s)")
   return 0 if set(counts) == {"done"} else 1

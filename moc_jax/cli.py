@@ -123,22 +123,6 @@ def define_config_file_flag(help_text):
   config_flags.DEFINE_config_file("config", None, help_text, lock_config=True)
 
 
-def define_harness_flags(out, layout, sweeps_help):
-  """The flags of an experiment harness (moc_jax.retention, moc_jax.routing_evidence): its directory (default
-  `out`, holding `layout`), the config file whose sweeps define its runs, its quick size, and the runs at once."""
-  flags.DEFINE_string("out", out, f"Directory of the harness ({layout}).")
-  flags.DEFINE_string("config", "configs/moc.py:tiny", f"The config file and argument whose sweeps {sweeps_help}.")
-  flags.DEFINE_bool("quick", False, "The smallest size (one seed, a few steps, tiny shapes): a test of the harness.")
-  flags.DEFINE_integer("parallel", 2, "Runs (and evaluations) at once; at least 1.")
-
-
-def check_parallel(parallel):
-  """A harness's --parallel, refused with one line (exit 2) when below 1."""
-  from moc_jax.errors import UsageError
-  if parallel < 1:
-    raise UsageError(f"--parallel={parallel}: run at least one at a time")
-
-
 def define_overrides_flag(default, help_text):
   """`--config.a.b=v` overrides of `default` (a run's saved config): ml_collections' DEFINE_config_dict, which
   parses sys.argv's overrides at once, a field it lacks reported as `parse_flags` does."""

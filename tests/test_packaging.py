@@ -1,6 +1,7 @@
 """The package stands on its own: a wheel built from the repository, installed into an empty directory, runs
 the commands a user types from any other directory (configs resolved from the copy packaged inside the
-wheel), and the import graph of the library has no cycles."""
+wheel); the wheel holds the library and its commands, not the studies beside it (experiments/), which the
+library never imports; and no import graph has cycles."""
 import ast
 import json
 import os
@@ -9,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -33,11 +35,25 @@ def installed(tmp_path_factory):
   wheel, = build.glob("moc_jax-*.whl")
   subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True,
                  timeout=600)
-  return site, elsewhere
+  return site, elsewhere, wheel
+
+
+STUDIES = ("experiments", "sweeps", "sweep_report", "routing_evidence", "retention", "bench")
+
+
+def test_wheel_holds_the_library_not_the_studies(installed):
+  """The wheel's packages are moc_jax (with its configs) and kernels_pallas; no module of the studies tree
+  (sweeps, reports, harnesses, benchmarks) is among its files, under any package."""
+  names = zipfile.ZipFile(installed[2]).namelist()
+  tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+  assert tops == {"moc_jax", "kernels_pallas"}, tops
+  parts = {p.removesuffix(".py") for n in names for p in n.split("/")}
+  assert not parts & set(STUDIES), sorted(parts & set(STUDIES))
+  assert "moc_jax/main.py" in names and "moc_jax/configs/moc.py" in names
 
 
 def _run(installed, *args):
-  site, elsewhere = installed
+  site, elsewhere, _ = installed
   env = {**os.environ, "PYTHONPATH": str(site)}  # before the environment's own (editable) moc_jax
   return subprocess.run([sys.executable, *args], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
 
@@ -91,7 +107,7 @@ def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
   return found & modules
 
 
-@pytest.mark.parametrize("package", ["moc_jax", "kernels_pallas"])
+@pytest.mark.parametrize("package", ["moc_jax", "kernels_pallas", "experiments"])
 def test_no_import_cycles(package):
   """Every import between the package's modules (function-level ones too) points one way."""
   files = {_module_name(p): p for p in (REPO / package).rglob("*.py")}
@@ -118,3 +134,15 @@ def test_library_reads_no_config_files_by_path():
   offenders = [str(p.relative_to(REPO)) for p in (REPO / "moc_jax").rglob("*.py")
                if re.search(r"sys\.path\.(insert|append)|REPO_ROOT", p.read_text())]
   assert not offenders
+
+
+@pytest.mark.parametrize("package", ["moc_jax", "kernels_pallas"])
+def test_library_imports_no_study(package):
+  """Imports point down: the studies import the library, never the other way (function-level imports too)."""
+  offenders = []
+  for path in (REPO / package).rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ("experiments", "launch")]
+  assert not offenders, offenders

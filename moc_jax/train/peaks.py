@@ -5,7 +5,7 @@ SIMD width and XLA's matmul kernels all vary), so its peak is what a saturating 
 this machine: square n x n products for n in `SIZES`, best of `REPS` timed calls, in the dtype the model
 computes in (bf16 mirrors the model's dense layers: bf16 operands and result, XLA accumulating internally).
 Measured once and cached under $MOC_JAX_CACHE_DIR (default ~/.cache/moc_jax), keyed by CPU model, jax
-version, dtype and device count; `python -m moc_jax.bench.cpu_peak` prints or re-measures it.
+version, dtype and device count; `python -m experiments.bench.cpu_peak` prints or re-measures it.
 An unknown device, or a dtype the table does not cover, yields (None, reason): MFU is then omitted
 rather than computed against an invented peak.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TPU, SLURM, LOCAL = "launch/tpu_pod.sh", "launch/slurm_gpu.sbatch", "launch/local.sh"
 TPU_OPTS = ["--name", "moc", "--zone", "us-east5-a"]
 # Awkward arguments for moc_jax.main: a space, a single quote, a $ that must not expand, a glob.

@@ -1,4 +1,4 @@
-"""Sweeps (configs/moc.py get_sweep, moc_jax/sweeps.py, launch/sweep.py): every point of every sweep valid
+"""Sweeps (configs/moc.py get_sweep, experiments/sweeps/plan.py, launch/sweep.py): every point of every sweep valid
 for every model, overrides applied as moc_jax.main's flags, names, iso-FLOP baselines, the commands each
 backend's --dry-run prints (checked against the launch scripts' own --dry-run), and idempotent re-launch."""
 import importlib.util
@@ -16,10 +16,14 @@ from pathlib import Path
 import pytest
 
 import moc_jax
-from moc_jax import flops, sweeps
+from experiments.sweeps import launch
+from experiments.sweeps.launch import Launcher
+from experiments.sweeps.plan import config_flags, default_name, is_moc, plan, resolve, run_name
+from experiments.sweeps.runs import LOG, final_eval, finished, latest_checkpoint, read_manifest
+from moc_jax import flops
 from moc_jax.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODELS = ("tiny", "small", "262k", "tiny,runlocal")
 SWEEP_NAMES = ("topk", "bank", "topk_bank", "iso_flop", "demo")
 
@@ -40,7 +44,7 @@ def dry_run(capsys, *args):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_point_of_every_sweep_validates(model):
   for sweep in SWEEP_NAMES:
-    points = sweeps.plan(f"configs/moc.py:{model}", sweep)  # resolves and validates each: raises otherwise
+    points = plan(f"configs/moc.py:{model}", sweep)  # resolves and validates each: raises otherwise
     assert len({p.name for p in points}) == len(points) >= 3, (model, sweep)
     for p in points:
       mem = p.config.memory
@@ -49,62 +53,62 @@ def test_every_point_of_every_sweep_validates(model):
 
 def test_sweeps_scale_with_the_model():
   def values(model, sweep, key):
-    return [p.overrides[key] for p in sweeps.plan(f"configs/moc.py:{model}", sweep)]
+    return [p.overrides[key] for p in plan(f"configs/moc.py:{model}", sweep)]
 
   for model in ("tiny", "262k"):
     assert values(model, "topk", "memory.top_k") == [1, 2, 4, 8, 16, 32, 64]
   # The paper's bank range at its k·T = 64·64 read; tiny's at 8·16.
   assert values("262k", "bank", "memory.num_tokens") == [4160, 8256, 16448, 32832, 65600, 131136, 262208]
   assert values("tiny", "bank", "memory.num_tokens") == [144, 272, 528, 1040]
-  assert len(sweeps.plan("configs/moc.py:262k", "topk_bank")) == 49
-  tiny = sweeps.plan("configs/moc.py:tiny", "topk_bank")
+  assert len(plan("configs/moc.py:262k", "topk_bank")) == 49
+  tiny = plan("configs/moc.py:tiny", "topk_bank")
   assert len(tiny) == 4 + 5 + 6 + 7 and "k8-bank144" in {p.name for p in tiny}  # k <= routable chapters
-  demo = sweeps.plan("configs/moc.py:tiny", "demo")
+  demo = plan("configs/moc.py:tiny", "demo")
   assert [p.name for p in demo][:3] == ["bank144-steps56", "bank144-steps112", "bank144-steps225"]
   assert len(demo) == 12 and [p.name for p in demo][-3:] == ["dense-steps56", "dense-steps112", "dense-steps225"]
   assert not demo[-1].config.memory.enabled
   # bank_scale: the config's routable chapters x 1, 4, 16, 64 at the same read, seed by seed.
-  scale = sweeps.plan("configs/moc.py:tiny", "bank_scale")
+  scale = plan("configs/moc.py:tiny", "bank_scale")
   assert [p.name for p in scale][:4] == ["bank1040-seed0", "bank4112-seed0", "bank16400-seed0", "bank65552-seed0"]
   assert len(scale) == 12 and {(p.config.memory.top_k, p.config.memory.num_tokens // p.config.memory.num_chapters)
                                for p in scale} == {(8, 16)}
   assert values("262k", "bank_scale", "memory.num_chapters")[:4] == [4097, 16385, 65537, 262145]
   # bank_lr: 0, 0.01x, 0.1x, 1x, 10x the memory LR, seed by seed.
-  bank_lr = sweeps.plan("configs/moc.py:tiny", "bank_lr")
+  bank_lr = plan("configs/moc.py:tiny", "bank_lr")
   assert [p.name for p in bank_lr][:6] == ["banklr0.0-seed0", "banklr3e_05-seed0", "banklr0.0003-seed0",
                                            "banklr0.003-seed0", "banklr0.03-seed0", "banklr0.0-seed1"]
   assert len(bank_lr) == 15 and {p.config.train.bank_weight_decay for p in bank_lr} == {None}
   assert values("262k", "bank_lr", "train.bank_lr")[:5] == [0.0, 6e-6, 6e-5, 6e-4, 6e-3]
   # The paper model's demo scales the decay start with the steps.
-  assert sweeps.plan("configs/moc.py:262k", "demo")[0].config.train.decay_start_step == 8160 // 16
+  assert plan("configs/moc.py:262k", "demo")[0].config.train.decay_start_step == 8160 // 16
 
 
 def test_overrides_resolve_exactly_as_load_config():
   overrides = {"memory.layer_indices": (3,), "memory.routing": "token", "train.base_lr": 1e-3,
                "memory.enabled": True, "model.mlp_dim": 256, "memory.routed_scaling_factor": 2.0}
-  resolved = sweeps.resolve("configs/moc.py:tiny", overrides)
+  resolved = resolve("configs/moc.py:tiny", overrides)
   assert resolved.to_dict() == moc_jax.load_config("configs/moc.py:tiny", overrides).to_dict()
-  assert sweeps.config_flags(overrides)[:3] == ["--config.memory.layer_indices=(3,)",
+  assert config_flags(overrides)[:3] == ["--config.memory.layer_indices=(3,)",
                                                 "--config.memory.routing=token", "--config.train.base_lr=0.001"]
   with pytest.raises(ConfigError, match="memory.no_such_field"):
-    sweeps.resolve("configs/moc.py:tiny", {"memory.no_such_field": 1})
+    resolve("configs/moc.py:tiny", {"memory.no_such_field": 1})
 
 
 def test_run_names():
-  assert sweeps.run_name({"memory.top_k": 8, "memory.num_chapters": 65, "memory.num_tokens": 1040}) == "k8-bank1040"
-  assert sweeps.run_name({"memory.enabled": False, "memory.placement": "none", "model.mlp_dim": 224}) == "dense-mlp224"
-  assert sweeps.run_name({"train.steps": 56, "train.decay_start_step": 40}) == "steps56"
-  assert sweeps.run_name({"memory.layer_indices": (1, 3), "train.base_lr": 0.003}) == "layer_indices1_3-base_lr0.003"
-  assert sweeps.run_name({}) == "base"
-  assert sweeps.run_name({"memory.load_balance": "aux_free", "memory.routing": "segment",
+  assert run_name({"memory.top_k": 8, "memory.num_chapters": 65, "memory.num_tokens": 1040}) == "k8-bank1040"
+  assert run_name({"memory.enabled": False, "memory.placement": "none", "model.mlp_dim": 224}) == "dense-mlp224"
+  assert run_name({"train.steps": 56, "train.decay_start_step": 40}) == "steps56"
+  assert run_name({"memory.layer_indices": (1, 3), "train.base_lr": 0.003}) == "layer_indices1_3-base_lr0.003"
+  assert run_name({}) == "base"
+  assert run_name({"memory.load_balance": "aux_free", "memory.routing": "segment",
                           "memory.load_balance_coef": 0.0, "seed": 2, "data.seed": 2}) == "aux_free-segment-seed2"
-  assert sweeps.default_name("configs/moc.py:tiny,runlocal", "topk") == "moc-tiny_runlocal-topk"
+  assert default_name("configs/moc.py:tiny,runlocal", "topk") == "moc-tiny_runlocal-topk"
 
 
 def test_routing_sweep_arms():
   """The backbone, its iso-FLOP vanilla, MoC under 3 balances x 3 routings and the attention-pooled causal arm,
   3 seeds each; the pooled arm resolves to routed + prefix + attention."""
-  points = sweeps.plan("configs/moc.py:tiny", "routing")
+  points = plan("configs/moc.py:tiny", "routing")
   assert len(points) == 12 * 3 and len({p.name for p in points}) == 36
   pooled = [p for p in points if p.name == "routed-prefix-attention-seed1"]
   assert len(pooled) == 1
@@ -116,8 +120,8 @@ def test_routing_sweep_arms():
 @pytest.mark.parametrize("model", ["tiny", "small", "262k"])
 def test_iso_flop_vanilla_is_the_closest_width(model):
   """Each vanilla point's SwiGLU width is the multiple of 16 whose FLOPs/token are nearest its MoC point's."""
-  points = sweeps.plan(f"configs/moc.py:{model}", "iso_flop")
-  assert points[0].name == "dense" and not sweeps.is_moc(points[0].config)
+  points = plan(f"configs/moc.py:{model}", "iso_flop")
+  assert points[0].name == "dense" and not is_moc(points[0].config)
   assert points[0].config.model.mlp_dim == moc_jax.load_config(f"configs/moc.py:{model}").model.mlp_dim
   pairs = list(zip(points[1::2], points[2::2]))
   assert [m.name for m, _ in pairs] == [f"k{k}" for k in (1, 2, 4, 8, 16, 32, 64)]
@@ -136,24 +140,24 @@ def test_iso_flop_vanilla_is_the_closest_width(model):
 
 def test_plan_extra_overrides_and_errors():
   with pytest.raises(ConfigError, match="unknown sweep"):
-    sweeps.plan("configs/moc.py:tiny", "nope")
+    plan("configs/moc.py:tiny", "nope")
   with pytest.raises(ConfigError, match="defines no sweeps"):
-    sweeps.plan("configs/vanilla.py:tiny", "topk")
+    plan("configs/vanilla.py:tiny", "topk")
   # Command-line overrides change the config the sweep is built from: banks from top-4 reads.
-  assert [p.name for p in sweeps.plan("configs/moc.py:tiny", "bank", {"memory.top_k": "4"})] == [
+  assert [p.name for p in plan("configs/moc.py:tiny", "bank", {"memory.top_k": "4"})] == [
       "bank80", "bank144", "bank272", "bank528", "bank1040"]
   with pytest.raises(ConfigError, match="set by sweep topk itself"):
-    sweeps.plan("configs/moc.py:tiny", "topk", {"memory.top_k": "3"})
+    plan("configs/moc.py:tiny", "topk", {"memory.top_k": "3"})
   with pytest.raises(ConfigError, match="no points"):
-    sweeps.plan("configs/moc.py:tiny", "topk", only=["k3"])
+    plan("configs/moc.py:tiny", "topk", only=["k3"])
 
 
 def test_plan_base_overrides_yield_to_the_points_own():
   # The budget sweep scales the steps it is given; a point that sets nothing keeps the base value.
-  points = sweeps.plan("configs/moc.py:tiny", "budget", {"memory.routing": "prefix"}, base={"train.steps": 80})
+  points = plan("configs/moc.py:tiny", "budget", {"memory.routing": "prefix"}, base={"train.steps": 80})
   assert sorted({p.config.train.steps for p in points}) == [40, 80, 160]
   assert all(p.config.memory.routing == "prefix" and "train.steps" not in p.name for p in points)
-  assert {p.config.train.steps for p in sweeps.plan("configs/moc.py:tiny", "bank", base={"train.steps": 80})} == {80}
+  assert {p.config.train.steps for p in plan("configs/moc.py:tiny", "bank", base={"train.steps": 80})} == {80}
 
 
 # ---------------------------------------------------------------------------------------------------- dry runs
@@ -240,46 +244,46 @@ def fake_backend(tmp_path, monkeypatch):
   script = tmp_path / "fake_main.py"
   script.write_text(FAKE_MAIN)
   monkeypatch.setenv("CALLS", str(tmp_path / "calls"))
-  monkeypatch.setattr(sweeps, "commands", lambda backend, spec, point, workdir, backend_args, launch_dir: [
+  monkeypatch.setattr(launch, "commands", lambda backend, spec, point, workdir, backend_args, launch_dir: [
       [sys.executable, str(script), workdir, str(point.config.train.steps)]])
   return lambda: (tmp_path / "calls").read_text().split()
 
 
 def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, monkeypatch, fake_backend, capsys):
   spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
-  points = sweeps.plan(spec, "topk", only=["k1", "k2", "k4"])
+  points = plan(spec, "topk", only=["k1", "k2", "k4"])
   # k4 was interrupted at step 300: it holds a checkpoint and no final evaluation.
   os.makedirs(os.path.join(sweep_dir, "k4", "checkpoints", "300"))
   monkeypatch.setenv("FAIL", "k2")
-  launcher = sweeps.Launcher(sweep_dir, spec, "topk", points)
+  launcher = Launcher(sweep_dir, spec, "topk", points)
   launcher.describe()
   assert "# k4: moc" in capsys.readouterr().out.split("resumes from step 300")[0]
   assert launcher.run(parallel=2) == {"done": 2, "failed": 1}
   assert sorted(fake_backend()) == ["k1", "k2", "k4"]
-  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  manifest = {e["name"]: e for e in read_manifest(sweep_dir)}
   assert [manifest[n]["status"] for n in ("k1", "k2", "k4")] == ["done", "failed", "done"]
   assert manifest["k2"]["returncode"] == 3 and manifest["k1"]["returncode"] == 0
   assert manifest["k1"]["overrides"] == {"memory.top_k": 1} and manifest["k1"]["attempts"] == 1
   assert manifest["k1"]["wall_s"] >= 0 and manifest["k1"]["workdir"] == os.path.join(sweep_dir, "k1")
-  assert "boom" in (Path(sweep_dir) / "k2" / sweeps.LOG).read_text()
+  assert "boom" in (Path(sweep_dir) / "k2" / LOG).read_text()
   # Re-launch: only the failed point runs again; its attempts accumulate.
   monkeypatch.setenv("FAIL", "")
-  assert sweeps.Launcher(sweep_dir, spec, "topk", points).run() == {"done": 3}
+  assert Launcher(sweep_dir, spec, "topk", points).run() == {"done": 3}
   assert sorted(fake_backend()) == ["k1", "k2", "k2", "k4"]
-  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  manifest = {e["name"]: e for e in read_manifest(sweep_dir)}
   assert manifest["k2"]["attempts"] == 2 and manifest["k2"]["status"] == "done"
   # The same directory refuses another sweep.
   with pytest.raises(ConfigError, match="another --name"):
-    sweeps.Launcher(sweep_dir, spec, "bank", sweeps.plan(spec, "bank"))
+    Launcher(sweep_dir, spec, "bank", plan(spec, "bank"))
 
 
 def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypatch, fake_backend, capsys):
   spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
   monkeypatch.setenv("SLOW", "k1")
-  launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1", "k2"]))
+  launcher = Launcher(sweep_dir, spec, "topk", plan(spec, "topk", only=["k1", "k2"]))
 
   def interrupt_once_started():
-    log = Path(sweep_dir) / "k1" / sweeps.LOG
+    log = Path(sweep_dir) / "k1" / LOG
     while not (log.exists() and "started" in log.read_text()):
       time.sleep(0.05)
     signal.raise_signal(signal.SIGINT)  # Ctrl-C reaches the sweep (the point runs in its own session)
@@ -294,19 +298,20 @@ def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypat
     signal.signal(signal.SIGINT, previous)
   assert fake_backend() == ["k1"]  # k2 never started
   assert "interrupted" in capsys.readouterr().out
-  manifest = {e["name"]: e for e in sweeps.read_manifest(sweep_dir)}
+  manifest = {e["name"]: e for e in read_manifest(sweep_dir)}
   assert manifest["k1"]["attempts"] == 1 and manifest["k2"]["attempts"] == 0
 
 
 LAUNCH_IN_BACKGROUND = textwrap.dedent("""
     import signal, sys
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell starts `cmd &`
-    from moc_jax import sweeps
+    from experiments.sweeps import launch
+    from experiments.sweeps.plan import plan
     script, sweep_dir = sys.argv[1:]
-    sweeps.commands = lambda backend, spec, point, workdir, *_: [
+    launch.commands = lambda backend, spec, point, workdir, *_: [
         [sys.executable, script, workdir, str(point.config.train.steps)]]
     spec = "configs/moc.py:tiny"
-    launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1", "k2"]))
+    launcher = launch.Launcher(sweep_dir, spec, "topk", plan(spec, "topk", only=["k1", "k2"]))
     print(launcher.run(), flush=True)
     """)
 
@@ -318,9 +323,10 @@ def test_a_backgrounded_sweep_stops_on_ctrl_c_or_sigterm(tmp_path, monkeypatch, 
   sweep_dir = tmp_path / "sw"
   (tmp_path / "launch.py").write_text(LAUNCH_IN_BACKGROUND)
   monkeypatch.setenv("SLOW", "k1")
+  monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the studies run from the repository, not an installed package
   proc = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "fake_main.py"),
                            str(sweep_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-  log, deadline = sweep_dir / "k1" / sweeps.LOG, time.time() + 120
+  log, deadline = sweep_dir / "k1" / LOG, time.time() + 120
   while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
     time.sleep(0.05)
   try:
@@ -330,7 +336,7 @@ def test_a_backgrounded_sweep_stops_on_ctrl_c_or_sigterm(tmp_path, monkeypatch, 
     proc.kill()
   assert "{'pending': 2}" in out
   assert fake_backend() == ["k1"]
-  assert [e["status"] for e in sweeps.read_manifest(str(sweep_dir))] == ["pending", "pending"]
+  assert [e["status"] for e in read_manifest(str(sweep_dir))] == ["pending", "pending"]
 
 
 def test_a_point_stopped_from_outside_is_left_pending(tmp_path, monkeypatch, fake_backend):
@@ -338,10 +344,10 @@ def test_a_point_stopped_from_outside_is_left_pending(tmp_path, monkeypatch, fak
   pending, to resume, not failed."""
   spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
   monkeypatch.setenv("SLOW", "k1")
-  launcher = sweeps.Launcher(sweep_dir, spec, "topk", sweeps.plan(spec, "topk", only=["k1"]))
+  launcher = Launcher(sweep_dir, spec, "topk", plan(spec, "topk", only=["k1"]))
 
   def preempt_once_started():
-    log = Path(sweep_dir) / "k1" / sweeps.LOG
+    log = Path(sweep_dir) / "k1" / LOG
     while not (log.exists() and "started" in log.read_text()):
       time.sleep(0.05)
     [proc] = launcher.procs
@@ -349,7 +355,7 @@ def test_a_point_stopped_from_outside_is_left_pending(tmp_path, monkeypatch, fak
 
   threading.Thread(target=preempt_once_started, daemon=True).start()
   assert launcher.run() == {"pending": 1}
-  [entry] = sweeps.read_manifest(sweep_dir)
+  [entry] = read_manifest(sweep_dir)
   assert entry["returncode"] == 0 and entry["attempts"] == 1
 
 
@@ -357,13 +363,13 @@ def test_finished_needs_the_last_evaluation_and_checkpoint(tmp_path):
   workdir = str(tmp_path)
   rows = [{"step": 10, "loss": 1.0}, {"step": 10, "split": "validation", "ce": 2.0}]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2')
-  assert sweeps.final_eval(workdir, 10)["ce"] == 2.0 and sweeps.final_eval(workdir, 20) is None
-  assert sweeps.finished(workdir, 10)  # logs copied from a pod: no checkpoints/ here
+  assert final_eval(workdir, 10)["ce"] == 2.0 and final_eval(workdir, 20) is None
+  assert finished(workdir, 10)  # logs copied from a pod: no checkpoints/ here
   os.makedirs(tmp_path / "checkpoints" / "5")
   os.makedirs(tmp_path / "checkpoints" / "10.orbax-checkpoint-tmp-1")  # a save cut by a kill
-  assert not sweeps.finished(workdir, 10) and sweeps.latest_checkpoint(workdir) == 5
+  assert not finished(workdir, 10) and latest_checkpoint(workdir) == 5
   os.makedirs(tmp_path / "checkpoints" / "10")
-  assert sweeps.finished(workdir, 10)
+  assert finished(workdir, 10)
 
 
 @pytest.mark.slow
@@ -374,7 +380,7 @@ def test_local_sweep_trains_and_collects(tmp_path):
   r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stdout + r.stderr
   sweep_dir = tmp_path / "moc-tiny_runlocal-topk"
-  assert [e["status"] for e in sweeps.read_manifest(str(sweep_dir))] == ["done", "done"]
+  assert [e["status"] for e in read_manifest(str(sweep_dir))] == ["done", "done"]
   assert (sweep_dir / "results.csv").exists() and "| k2 | done | moc | 2 |" in r.stdout
   r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert "2 of 2 points done, running 0" in r.stdout

@@ -1,4 +1,4 @@
-"""launch/collect.py (moc_jax/sweep_report.py) on synthetic sweeps: run directories as training writes them
+"""launch/collect.py (moc_jax/report.py) on synthetic sweeps: run directories as training writes them
 (config.json, metrics.jsonl) whose final losses follow known power laws; the fits recover the exponents,
 failed and unstarted runs are listed, and the CSV, markdown and plots are written."""
 import csv
@@ -13,9 +13,11 @@ import pytest
 from scipy import stats
 
 import moc_jax
-from moc_jax import sweep_report, sweeps
+from experiments.sweeps import report as sweep_report
+from experiments.sweeps.plan import compute, plan
+from experiments.sweeps.runs import write_manifest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def make_sweep(sweep_dir, spec, sweep, loss, only=None, failed=(), unstarted=()):
@@ -23,7 +25,7 @@ def make_sweep(sweep_dir, spec, sweep, loss, only=None, failed=(), unstarted=())
   validation CE is loss(row) (row: train_flops, top_k, bank_tokens); `failed` points stop at step 1 with
   exit 1, `unstarted` ones never ran."""
   entries = []
-  for p in sweeps.plan(spec, sweep, only=only):
+  for p in plan(spec, sweep, only=only):
     workdir = os.path.join(sweep_dir, p.name)
     steps = p.config.train.steps
     entry = {"name": p.name, "overrides": p.overrides, "workdir": workdir, "command": "", "status": "done",
@@ -40,11 +42,11 @@ def make_sweep(sweep_dir, spec, sweep, loss, only=None, failed=(), unstarted=())
       entry.update(status="failed", returncode=1)
     else:
       mem = p.config.memory
-      x = {**sweeps.compute(p.config), "top_k": mem.top_k, "bank_tokens": mem.num_tokens}
+      x = {**compute(p.config), "top_k": mem.top_k, "bank_tokens": mem.num_tokens}
       rows.append({"step": steps, "split": "validation", "ce": loss(x), "probe_acc": 0.3, "probe_exact": 0.1})
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
-  sweeps.write_manifest(sweep_dir, entries)
+  write_manifest(sweep_dir, entries)
 
 
 def test_power_law_exact_and_interval():

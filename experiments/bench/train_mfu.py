@@ -10,15 +10,15 @@ step), and each component the estimator counts (self-attention, MLP, memory, hea
 forward and forward+backward at the micro-batch shape: per step, a component costs count x (fwd+bwd,
 plus one more fwd under remat) x grad_accum.
 
-`python -m moc_jax.bench.train_mfu [--config=configs/moc.py:small] [--steps 3] [--profile_reps 0]`
+`python -m experiments.bench.train_mfu [--config=configs/moc.py:small] [--steps 3] [--profile_reps 0]`
 """
 from __future__ import annotations
 
 import jax
 from absl import flags
 
+from experiments.bench import common
 from moc_jax import cli, flops
-from moc_jax.bench import common
 from moc_jax.train import peaks
 
 GOAL = 0.5

@@ -7,14 +7,14 @@ The vanilla baseline is `configs/vanilla.py:iso=<moc name>` (depth chosen by tra
 The micro-batch defaults to 8 sequences (the config's 32 with --batch_size 32) so that the run
 fits in ~5 minutes on 2 CPU cores.
 
-`python -m moc_jax.bench.moc_vs_vanilla [--config=configs/moc.py:small] [--rounds 5] [--steps_per_round 2]`
+`python -m experiments.bench.moc_vs_vanilla [--config=configs/moc.py:small] [--rounds 5] [--steps_per_round 2]`
 """
 from __future__ import annotations
 
 from absl import flags
 
+from experiments.bench import common
 from moc_jax import cli
-from moc_jax.bench import common
 
 GOAL = 1.05
 

@@ -8,9 +8,16 @@ import math
 import jax
 import pytest
 
+from experiments.bench import (
+  bank_scaling,
+  common,
+  cpu_peak,
+  moc_vs_vanilla,
+  routed_attention,
+  train_mfu,
+  xla_vs_analytic,
+)
 from moc_jax import cli
-from moc_jax.bench import (bank_scaling, common, cpu_peak, moc_vs_vanilla, routed_attention, train_mfu,
-                           xla_vs_analytic)
 from moc_jax.train import peaks
 
 TINY = "configs/moc.py:tiny"

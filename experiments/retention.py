@@ -1,4 +1,4 @@
-"""`python -m moc_jax.retention --out=DIR [--quick] [--parallel=2] [--config=configs/moc.py:tiny]`
+"""`python -m experiments.retention --out=DIR [--quick] [--parallel=2] [--config=configs/moc.py:tiny]`
 
 Does memory protect what a model knew when it learns something new? The protocol (docs/retention.md):
 
@@ -13,8 +13,8 @@ Does memory protect what a model knew when it learns something new? The protocol
 Forgetting of an arm = (A recall before - A recall after) / (A recall before - chance): the share of what
 phase 1 learnt above chance that phase 2 lost. Learning = B recall after - chance. DIR/retention.md and
 DIR/retention.csv hold one row per arm (mean +- standard error over seeds) and DIR/retention.png plots
-learning against forgetting. Like the sweeps (moc_jax/sweeps.py) it is resumable and idempotent: finished
-runs are skipped, interrupted ones resume, and the scores of a checkpoint are kept in its workdir.
+learning against forgetting. Like the sweeps (experiments/sweeps/launch.py) it is resumable and idempotent:
+finished runs are skipped, interrupted ones resume, and the scores of a checkpoint are kept in its workdir.
 """
 from __future__ import annotations
 
@@ -26,16 +26,19 @@ import sys
 
 from absl import flags
 
+from experiments import harness
+from experiments.sweeps.launch import run_to_completion
+from experiments.sweeps.plan import plan, resolve
+from experiments.sweeps.report import mean_and_se
 from moc_jax import cli
-from moc_jax.sweep_report import mean_and_se
 
 FLAGS = flags.FLAGS
 
 
 def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
-  cli.define_harness_flags("retention", "pretrain/, finetune/, the table and plot",
-                           "retention_pretrain and retention_finetune define the arms")
+  harness.define_flags("retention", "pretrain/, finetune/, the table and plot",
+                       "retention_pretrain and retention_finetune define the arms")
 
 # The default size took 37 minutes on a 2-core CPU (docs/retention.md); quick about six.
 SIZES = {
@@ -52,16 +55,15 @@ SCORES = "retention_scores.json"
 def _phase(spec, sweep, size, extra, seeds, origin=None):
   """The sweep's points at this size (steps, evaluation and checkpoint at the end only) for `seeds`; with
   `origin` {(kind, seed): phase-1 workdir}, each point starts from its kind's weights of its seed."""
-  from moc_jax import sweeps
   from moc_jax.config import validate
   steps = extra["train.steps"]
   every = {"train.eval_every": steps, "train.checkpoint_every": steps, "train.log_every": max(1, steps // 10)}
   if origin:  # planned (and validated) with some init_from, then each point given its own
     every["train.init_from"] = next(iter(origin.values()))
-  points = [p for p in sweeps.plan(spec, sweep, {**size.get("shapes", {}), **extra, **every}) if p.config.seed in seeds]
+  points = [p for p in plan(spec, sweep, {**size.get("shapes", {}), **extra, **every}) if p.config.seed in seeds]
   for p in points if origin else ():
     p.overrides["train.init_from"] = origin[(_kind(p.config), p.config.seed)]
-    p.config = sweeps.resolve(spec, p.overrides)
+    p.config = resolve(spec, p.overrides)
     validate(p.config)
   return points
 
@@ -210,19 +212,18 @@ def plot(summary, path):
 
 
 def run(out, spec, quick, parallel) -> list[dict]:
-  from moc_jax import sweeps
   size = SIZES["quick" if quick else "default"]
   seeds = size["seeds"]
   out = os.path.abspath(out)
   pre_dir, fine_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
   pretrain = _phase(spec, "retention_pretrain", size, size["pretrain"], seeds)
-  sweeps.run_to_completion(pre_dir, spec, "retention_pretrain", pretrain, parallel, "retention")
+  run_to_completion(pre_dir, spec, "retention_pretrain", pretrain, parallel, "retention")
   origin = {(_kind(p.config), p.config.seed): os.path.join(pre_dir, p.name) for p in pretrain}
   for (kind, _), workdir in origin.items():
     if kind == "moc":
       _background(workdir)
   finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin)
-  sweeps.run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
+  run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
   scorer = _Scorer(pretrain[0].config.data.facts.seed, finetune[0].config.data.facts.seed)
   rows = [{"arm": arm_label(p.config), "seed": p.config.seed,
            "before": scorer(origin[(_kind(p.config), p.config.seed)]),
@@ -239,7 +240,7 @@ def run(out, spec, quick, parallel) -> list[dict]:
 
 def main(argv):
   cli.begin(argv)
-  cli.check_parallel(FLAGS.parallel)
+  harness.check_parallel(FLAGS.parallel)
   summary = run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel)
   print(markdown(summary))
   print(f"\n{FLAGS.out}/retention.md, retention.csv, retention.png")

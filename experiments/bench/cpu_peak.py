@@ -1,4 +1,4 @@
-"""`python -m moc_jax.bench.cpu_peak [--dtype float32|bfloat16] [--force]`: the CPU peak MFU is reported
+"""`python -m experiments.bench.cpu_peak [--dtype float32|bfloat16] [--force]`: the CPU peak MFU is reported
 against (moc_jax/train/peaks.py measures and caches it), as one JSON line (both dtypes unless --dtype).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The routing evidence harness's verdicts (moc_jax/routing_evidence.py): the chosen arm, gaps in standard
+"""The routing evidence harness's verdicts (experiments/routing_evidence.py): the chosen arm, gaps in standard
 errors and each goal met or not, on hand-made seed groups. The harness end to end runs in CI
-(`python -m moc_jax.routing_evidence --quick`, .ci/run)."""
+(`python -m experiments.routing_evidence --quick`, .ci/run)."""
 import json
 import math
 import os
@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from moc_jax import routing_evidence as evidence
+from experiments import routing_evidence as evidence
+from experiments.sweeps.plan import Point, resolve
 from moc_jax.errors import UsageError
 
 
@@ -205,17 +206,16 @@ def test_goals_of_stages_not_in_the_directory_are_not_judged():
 
 
 def test_a_point_an_earlier_stage_already_trained_is_copied_not_trained_again(tmp_path):
-  """The same run (sweeps.same_run) of an earlier stage is copied into a new point's workdir with its evaluation
+  """The same run (same_run) of an earlier stage is copied into a new point's workdir with its evaluation
   but without the time the evaluation took or the lock; a point with a workdir of its own, or no same run, is
   left alone."""
-  from moc_jax import sweeps
-  resolve = lambda **o: sweeps.resolve("configs/moc.py:tiny", {"train.steps": 450, **o})
+  config_of = lambda **o: resolve("configs/moc.py:tiny", {"train.steps": 450, **o})
   source = tmp_path / "arms" / "routed-prefix-seed0"
   source.mkdir(parents=True)
   for name, text in {"metrics.jsonl": "{}\n", "eval.json": "{}", evidence.EVAL_TIME: "{}", ".lock": "1"}.items():
     (source / name).write_text(text)
-  earlier = [(resolve(**{"train.eval_every": 450}), str(source))]
-  points = [sweeps.Point(name, {}, resolve(**o)) for name, o in (
+  earlier = [(config_of(**{"train.eval_every": 450}), str(source))]
+  points = [Point(name, {}, config_of(**o)) for name, o in (
       ("steps450-seed0", {"train.eval_every": 1800}), ("kept", {"train.eval_every": 1800}),
       ("steps900-seed0", {"train.steps": 900, "train.eval_every": 1800}))]
   workdirs = [str(tmp_path / "budget" / p.name) for p in points]

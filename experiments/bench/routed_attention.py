@@ -19,7 +19,7 @@ Part 2 runs the four variants' forward+backward at a small shape (`tiny`'s memor
 all compiled first and then alternated round by round, and reports median CPU step times.
 Goal: time(token_xla) / time(sequence) <= 2.
 
-`python -m moc_jax.bench.routed_attention [--small_only]`
+`python -m experiments.bench.routed_attention [--small_only]`
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import numpy as np
 from absl import flags
 from flax import nnx
 
+from experiments.bench import common
 from moc_jax import cli
-from moc_jax.bench import common
 from moc_jax.model.memory import ChapterBank, MemoryLayer
 
 VARIANTS = {  # name -> (memory.routing, memory.attention_impl)

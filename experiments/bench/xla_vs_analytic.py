@@ -11,7 +11,7 @@ is XLA's element-wise count, to set against `analytic_elementwise`; XLA also cou
 convert as a FLOP and reports exp/rsqrt/logistic apart, as `transcendentals`. Goal: whole forward
 within 5%.
 
-`python -m moc_jax.bench.xla_vs_analytic [--config=configs/moc.py:262k] [--batch_size 1] [--noscanned]`
+`python -m experiments.bench.xla_vs_analytic [--config=configs/moc.py:262k] [--batch_size 1] [--noscanned]`
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from absl import flags
 from flax import nnx
 
 import moc_jax
+from experiments.bench import common
 from moc_jax import cli, flops
-from moc_jax.bench import common
 from moc_jax.losses import lm_loss
 
 GOAL = 0.05

@@ -1,4 +1,4 @@
-"""`python -m moc_jax.routing_evidence --out=DIR [--quick] [--parallel=2] [--moc=POINT]
+"""`python -m experiments.routing_evidence --out=DIR [--quick] [--parallel=2] [--moc=POINT]
 [--stages=arms,bank,budget] [--only=POINT,...] [--config=configs/moc.py:tiny]`
 
 Does the memory pay, and under which router? The evidence of docs/routing.md in one command, three stages,
@@ -16,7 +16,7 @@ recall, the goal's metric (lower validation CE breaks a tie); --moc names any ar
 evaluated by `python -m moc_jax.eval` (chapters read over the validation split, max / mean load, the overlap of
 fact prompts' chapters with a paraphrase's and with another entity's), and once more with every routable chapter
 zeroed: the recall the bank holds; each vanilla run once, for its recall by the entity's training documents.
-DIR/<stage>/results.md holds a stage's tables (moc_jax/sweep_report.py); DIR/evidence.md the chosen arm, the
+DIR/<stage>/results.md holds a stage's tables (moc_jax/report.py); DIR/evidence.md the chosen arm, the
 three tables across seeds, each goal of the routing work, met or not, with its numbers, and the budget stage's
 recall by the entity's training documents.
 
@@ -40,6 +40,11 @@ import time
 
 from absl import flags
 
+from experiments import harness
+from experiments.sweeps import report
+from experiments.sweeps.launch import run_to_completion, stop_signals, wait_all
+from experiments.sweeps.plan import is_moc, plan, resolve, same_run
+from experiments.sweeps.runs import MANIFEST, finished, read_manifest
 from moc_jax import cli
 
 FLAGS = flags.FLAGS
@@ -65,8 +70,8 @@ REUSED = "reused.json"  # in a run's workdir: the earlier stage's identical run 
 
 def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
-  cli.define_harness_flags("routing_evidence", "arms/, bank/, budget/, evidence.md",
-                           "routing, bank_seeds and budget define the runs")
+  harness.define_flags("routing_evidence", "arms/, bank/, budget/, evidence.md",
+                       "routing, bank_seeds and budget define the runs")
   flags.DEFINE_string("moc", None, "The MoC arm of stage `arms` that stages bank and budget use, by point name "
                       "(e.g. routed-prefix); default: the causal arm with the highest mean fact recall.")
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of arms, bank, budget; the others are reported from "
@@ -80,14 +85,13 @@ def define_flags():
 def _plan(spec, stage, size, arm=None):
   """The stage's points at this size for its seeds: the final evaluation scores every seen fact (the size's
   num_probes), checkpoints as the config has them (a run stopped midway resumes)."""
-  from moc_jax import sweeps
-  steps = size["shapes"].get("train.steps") or sweeps.resolve(spec, {}).train.steps
+  steps = size["shapes"].get("train.steps") or resolve(spec, {}).train.steps
   half = max(1, int(steps * ARMS_STEPS))
   extra = {**{k: v for k, v in size["shapes"].items() if k != "train.steps"}, **(arm or {})}
   if stage == "budget":  # the sweep scales the steps itself; the last evaluation comes at each run's end
-    points = sweeps.plan(spec, SWEEP_OF[stage], {**extra, "train.eval_every": 2 * steps}, base={"train.steps": steps})
+    points = plan(spec, SWEEP_OF[stage], {**extra, "train.eval_every": 2 * steps}, base={"train.steps": steps})
   else:
-    points = sweeps.plan(spec, SWEEP_OF[stage], {**extra, "train.steps": half, "train.eval_every": half})
+    points = plan(spec, SWEEP_OF[stage], {**extra, "train.steps": half, "train.eval_every": half})
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
@@ -97,7 +101,6 @@ def _evaluate(runs, parallel):
   recall the bank holds), so one whose eval.json has no ablation (written before the harness asked for one) is
   evaluated again; a vanilla run once, for its recall by the entity's training documents. Ctrl-C or SIGTERM
   stops the running evaluations and the harness; the same command evaluates them again."""
-  from moc_jax import sweep_report, sweeps
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
   lock, running, stopping = threading.Lock(), set(), threading.Event()
 
@@ -121,16 +124,16 @@ def _evaluate(runs, parallel):
     return workdir, rc
 
   def evaluated(workdir, moc):
-    report = sweep_report.eval_report(workdir)
-    return "ablation" in report if moc else bool(report)
+    found = report.eval_report(workdir)
+    return "ablation" in found if moc else bool(found)
 
   todo = [(w, moc) for w, moc in runs if not evaluated(w, moc)]
-  with sweeps.stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+  with stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     futures = []
     try:  # the signal may come while the evaluations are being submitted
       for run in todo:
         futures.append(pool.submit(one, run))
-      sweeps.wait_all(futures)
+      wait_all(futures)
     except KeyboardInterrupt:
       with lock:
         stopping.set()
@@ -146,11 +149,10 @@ def _evaluate(runs, parallel):
 
 
 def _groups(stage_dir) -> list[dict]:
-  """The stage's points across seeds (sweep_report.seed_groups), each with its overrides (without the seed)."""
-  from moc_jax import sweep_report
-  rows = sweep_report.run_rows(stage_dir)
+  """The stage's points across seeds (report.seed_groups), each with its overrides (without the seed)."""
+  rows = report.run_rows(stage_dir)
   overrides = {re.sub(r"-seed\d+$", "", r["run"]): r["overrides"] for r in rows}
-  return [{**g, "overrides": overrides[g["point"]]} for g in sweep_report.seed_groups(rows)]
+  return [{**g, "overrides": overrides[g["point"]]} for g in report.seed_groups(rows)]
 
 
 def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=(), only=None) -> dict | None:
@@ -160,9 +162,8 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=
   finished}: the runs' and the evaluations' own wall times, each summed over the stage and over every
   invocation that worked on it; of the plan's points, how many finished and how many are copies; the finished
   (config, workdir) pairs. `only`: the names of the points to run (default all)."""
-  from moc_jax import sweep_report, sweeps
   stage_dir = os.path.join(out, stage)
-  if not run and not os.path.exists(os.path.join(stage_dir, sweeps.MANIFEST)):
+  if not run and not os.path.exists(os.path.join(stage_dir, MANIFEST)):
     return None
   points = _plan(spec, stage, size, arm)
   workdirs = [os.path.join(stage_dir, p.name) for p in points]
@@ -170,11 +171,11 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=
     todo = [p for p in points if only is None or p.name in only]
     dirs = [os.path.join(stage_dir, p.name) for p in todo]
     _reuse(todo, dirs, earlier)
-    sweeps.run_to_completion(stage_dir, spec, SWEEP_OF[stage], todo, parallel, "routing_evidence")
-    _evaluate([(w, sweeps.is_moc(p.config)) for p, w in zip(todo, dirs)], parallel)
-  sweep_report.collect(stage_dir)
-  wall = sum(e.get("wall_s", 0.0) for e in sweeps.read_manifest(stage_dir) if e["name"] in {p.name for p in points})
-  done = [(p.config, w) for w, p in zip(workdirs, points) if sweeps.finished(w, p.config.train.steps)]
+    run_to_completion(stage_dir, spec, SWEEP_OF[stage], todo, parallel, "routing_evidence")
+    _evaluate([(w, is_moc(p.config)) for p, w in zip(todo, dirs)], parallel)
+  report.collect(stage_dir)
+  wall = sum(e.get("wall_s", 0.0) for e in read_manifest(stage_dir) if e["name"] in {p.name for p in points})
+  done = [(p.config, w) for w, p in zip(workdirs, points) if finished(w, p.config.train.steps)]
   return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs)), "run": run,
           "done": len(done), "points": len(points), "finished": done,
           "reused": sum(os.path.exists(os.path.join(w, REUSED)) for w in workdirs)}
@@ -182,14 +183,13 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=
 
 def _reuse(points, workdirs, earlier) -> None:
   """Copies into each point's new workdir an earlier stage's finished run that is the same run
-  (sweeps.same_run): the stages share points (the chosen arm at the steps of `arms` is also the config's bank
+  (same_run): the stages share points (the chosen arm at the steps of `arms` is also the config's bank
   in `bank` and the shortest budget in `budget`, as is its vanilla), and training one again only gives the same
   losses. Its evaluation comes along; the time it took does not (this stage spent none on it)."""
   import shutil
-  from moc_jax import sweeps
   for point, workdir in zip(points, workdirs):
     source = None if os.path.exists(workdir) else next(
-        (w for config, w in earlier if sweeps.same_run(point.config, config)), None)
+        (w for config, w in earlier if same_run(point.config, config)), None)
     if source is None:
       continue
     shutil.rmtree(workdir + ".partial", ignore_errors=True)  # what a copy cut short left
@@ -236,12 +236,11 @@ def choose_arm(groups, name=None) -> dict:
 def named_arm(spec, name) -> dict:
   """The MoC arm `name` of the `routing` sweep, from its plan (nothing trained): how stages bank and budget
   run without stage `arms` in DIR."""
-  from moc_jax import sweeps
   from moc_jax.errors import UsageError
   if name is None:
     raise UsageError("--stages: stage arms is neither run nor in --out, so nothing chooses the MoC arm; name it "
                      "with --moc (e.g. --moc=routed-prefix)")
-  arms = {re.sub(r"-seed\d+$", "", p.name): p for p in sweeps.plan(spec, SWEEP_OF["arms"]) if sweeps.is_moc(p.config)}
+  arms = {re.sub(r"-seed\d+$", "", p.name): p for p in plan(spec, SWEEP_OF["arms"]) if is_moc(p.config)}
   if name not in arms:
     raise UsageError(f"--moc={name}: no such MoC arm; the arms are {sorted(arms)}")
   return {"point": name, "kind": "moc", "overrides": arms[name].overrides}
@@ -321,9 +320,8 @@ def held_by_bank(budget_groups) -> list[str]:
 def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
   """evidence.md: each stage DIR holds (one not run by this invocation says how many of its runs finished),
   the arm, the goals its stages can judge and the wall time."""
-  from moc_jax import sweep_report
   flag = " --quick" if size_name == "quick" else ""
-  lines = [f"# Routing evidence: `python -m moc_jax.routing_evidence --config={spec}{flag}`", "",
+  lines = [f"# Routing evidence: `python -m experiments.routing_evidence --config={spec}{flag}`", "",
            (f"Size `{size_name}`; {machine}. Mean ± standard error over seeds; fact recall on the final evaluation's "
             "probes (likelihood choice among 4 candidates), chapters read and load over the validation split "
             "(`python -m moc_jax.eval`)."), ""]
@@ -341,7 +339,7 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
         copies = "is a copy" if s["reused"] == 1 else "are copies"
         found += [f"{s['reused']} of its runs {copies} of an earlier stage's identical run ({REUSED} in the run's "
                   "directory names it), not trained again.", ""]
-      lines += [f"## {titles[stage]}", "", *found, *sweep_report.seed_table(s["groups"]), "",
+      lines += [f"## {titles[stage]}", "", *found, *report.seed_table(s["groups"]), "",
                 f"Runs {s['wall_s']:,.0f} s, evaluations {s['eval_s']:,.0f} s (each one's own wall time, summed over the "
                 f"stage and every invocation; runs side by side overlap); per run: {stage}/results.md.",
                 ""]
@@ -357,7 +355,7 @@ def markdown(spec, size_name, stages, chosen, goal_list, machine) -> str:
     lines += ["", f"Not judged: the goals of stage(s) {', '.join(missing)}, which the directory does not hold."]
   budget = stages.get("budget", {}).get("groups", [])
   lines += ["", *held_by_bank(budget)]
-  by_docs = sweep_report.recall_by_docs_table(budget)
+  by_docs = report.recall_by_docs_table(budget)
   if by_docs:
     lines += ["Fact recall by how many training documents name the entity, stage `budget` (`python -m "
               "moc_jax.eval`; the rarest entities are where a memory should pay first):", "", *by_docs, ""]
@@ -404,7 +402,7 @@ def run(out, spec, quick, parallel, moc=None, stages=STAGES, only=None) -> str:
 
 def main(argv):
   cli.begin(argv)
-  cli.check_parallel(FLAGS.parallel)
+  harness.check_parallel(FLAGS.parallel)
   print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.moc, FLAGS.stages, FLAGS.only))
   print(f"{FLAGS.out}/evidence.md")
 

@@ -1,11 +1,11 @@
-"""sweeps.same_run: which two configs train the same run, so a harness may copy one's finished workdir for the
+"""same_run: which two configs train the same run, so a harness may copy one's finished workdir for the
 other. Checked both ways: on resolved configs (what must and must not count), and by training both sides of
 each rule and comparing every logged loss and the final evaluation."""
 import pytest
 
 import moc_jax
+from experiments.sweeps.plan import resolve, same_run
 from moc_jax import main as main_lib
-from moc_jax import sweeps
 from tests.train import train_utils as tu
 
 SPEC = "configs/moc.py:tiny"
@@ -13,8 +13,8 @@ NO_MEMORY = {"memory.enabled": False, "memory.placement": "none", "model.mlp_dim
 ARM = {"memory.load_balance": "routed", "memory.routing": "prefix"}
 
 
-def resolve(**overrides):
-  return sweeps.resolve(SPEC, {"train.steps": 450, **{k.replace("__", "."): v for k, v in overrides.items()}})
+def config_of(**overrides):
+  return resolve(SPEC, {"train.steps": 450, **{k.replace("__", "."): v for k, v in overrides.items()}})
 
 
 @pytest.mark.parametrize("a, b, same", [
@@ -25,15 +25,15 @@ def resolve(**overrides):
     ({"train__steps": 450}, {"train__steps": 900}, False),
 ])
 def test_what_makes_two_moc_configs_the_same_run(a, b, same):
-  assert sweeps.same_run(resolve(**a), resolve(**b)) is same
+  assert same_run(config_of(**a), config_of(**b)) is same
 
 
 def test_a_model_without_memory_ignores_the_memory_fields_it_does_not_read():
   dense = {k.replace(".", "__"): v for k, v in NO_MEMORY.items()}
   arm = {k.replace(".", "__"): v for k, v in ARM.items()}
-  assert sweeps.same_run(resolve(**dense), resolve(**dense, **arm))
-  assert not sweeps.same_run(resolve(**dense), resolve(**{**dense, "model__mlp_dim": 256}))
-  assert not sweeps.same_run(resolve(**arm), resolve(**dense, **arm))
+  assert same_run(config_of(**dense), config_of(**dense, **arm))
+  assert not same_run(config_of(**dense), config_of(**{**dense, "model__mlp_dim": 256}))
+  assert not same_run(config_of(**arm), config_of(**dense, **arm))
 
 
 @pytest.mark.parametrize("a, b", [
@@ -44,7 +44,7 @@ def test_a_model_without_memory_ignores_the_memory_fields_it_does_not_read():
 def test_configs_that_are_the_same_run_train_the_same_losses(a, b, tmp_path):
   base = tu.overrides(tmp_path / "data")  # 2 steps, evaluated at step 0 and at the end
   configs = [moc_jax.load_config(SPEC, {**base, **side}) for side in (a, b)]
-  assert sweeps.same_run(*configs)
+  assert same_run(*configs)
   runs = []
   for i, config in enumerate(configs):
     main_lib.train(config, str(tmp_path / f"run{i}"))

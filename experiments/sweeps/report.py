@@ -17,7 +17,8 @@ import re
 
 import numpy as np
 
-from moc_jax import sweeps
+from experiments.sweeps.plan import BANK_KEYS, compute, is_moc, run_name
+from experiments.sweeps.runs import LOG, MANIFEST, final_eval, read_manifest, read_metrics
 
 CONFIDENCE = 0.95
 COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
@@ -31,7 +32,7 @@ SEED_HEADERS = ("val CE", "fact recall", "exact match", "chapters read (train wi
                 "recall without the bank")
 # (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
 FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
-        ("bank", "bank_tokens", sweeps.BANK_KEYS, "bank tokens"),
+        ("bank", "bank_tokens", BANK_KEYS, "bank tokens"),
         ("top_k", "top_k", ("memory.top_k",), "top-k (routed chapters read)"))
 
 
@@ -70,9 +71,9 @@ def fit_power_law(x, y, confidence=CONFIDENCE) -> PowerLaw:
 # ---- one row per run --------------------------------------------------------------------------------
 
 def run_rows(sweep_dir: str) -> list[dict]:
-  entries = sweeps.read_manifest(sweep_dir)
+  entries = read_manifest(sweep_dir)
   if not entries:
-    raise FileNotFoundError(f"{os.path.join(sweep_dir, sweeps.MANIFEST)} not found or empty: pass a directory "
+    raise FileNotFoundError(f"{os.path.join(sweep_dir, MANIFEST)} not found or empty: pass a directory "
                             "that launch/sweep.py wrote")
   return [_row(sweep_dir, e) for e in entries]
 
@@ -92,15 +93,15 @@ def _row(sweep_dir, entry):
   config = load_run_config(workdir)
   mem, steps = config.memory, config.train.steps
   counts = count_params(config)
-  row.update(kind="moc" if sweeps.is_moc(config) else "dense", steps=steps, **sweeps.compute(config),
+  row.update(kind="moc" if is_moc(config) else "dense", steps=steps, **compute(config),
              params_total=counts["total"],
              params_active=counts["total"] - counts["bank"] + counts["bank"] * (mem.num_shared + mem.top_k)
              // mem.num_chapters)
   if row["kind"] == "moc":
     row.update(top_k=mem.top_k, bank_tokens=mem.num_tokens)
-  final = sweeps.final_eval(workdir, steps)
+  final = final_eval(workdir, steps)
   if final is None:
-    reached = max((r["step"] for r in sweeps.read_metrics(workdir) if "split" not in r), default=0)
+    reached = max((r["step"] for r in read_metrics(workdir) if "split" not in r), default=0)
     return unfinished(f"reached step {reached} of {steps}")
   return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
           "exact_match": final.get("probe_exact"), **_router_health(workdir), **_eval_routing(workdir),
@@ -110,7 +111,7 @@ def _row(sweep_dir, entry):
 def _router_health(workdir) -> dict:
   """The last training log row's router health, averaged over memory layers: the share of routable chapters
   read in its window, and the router probability on the shared chapters."""
-  train = [r for r in sweeps.read_metrics(workdir) if "split" not in r]
+  train = [r for r in read_metrics(workdir) if "split" not in r]
   out = {}
   for key in ("router_used_frac", "router_shared_mass"):
     values = [v for k, v in (train[-1] if train else {}).items() if k.startswith(key + "_L")]
@@ -213,7 +214,7 @@ def fits(rows) -> list[dict]:
         groups.setdefault(r["kind"], []).append(r)
       elif r["kind"] == "moc":
         fixed = {k: v for k, v in r["overrides"].items() if k not in keys}
-        groups.setdefault(sweeps.run_name(fixed), []).append(r)
+        groups.setdefault(run_name(fixed), []).append(r)
     for group, members in groups.items():
       if len({r[x] for r in members}) < 2:
         continue
@@ -315,7 +316,7 @@ def markdown(title, rows, fit_list, plots) -> str:
   failed = [r for r in rows if r["status"] != "done"]
   lines += ["", "## Failed or unfinished runs (kept out of the fits)", ""]
   lines += [f"- {r['run']}: {r['status']}" + (f", exit {r['returncode']}" if r.get("returncode") else "")
-            + (f", {r['note']}" if r.get("note") else "") + f"; log {os.path.join(r['workdir'], sweeps.LOG)}"
+            + (f", {r['note']}" if r.get("note") else "") + f"; log {os.path.join(r['workdir'], LOG)}"
             for r in failed] or ["None."]
   if plots:
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
@@ -370,7 +371,7 @@ def collect(sweep_dir: str, out_dir: str | None = None) -> str:
   os.makedirs(out_dir, exist_ok=True)
   rows = run_rows(sweep_dir)
   fit_list = fits(rows)
-  entry = sweeps.read_manifest(sweep_dir)[0]
+  entry = read_manifest(sweep_dir)[0]
   title = f"Sweep {os.path.basename(os.path.normpath(sweep_dir))}"
   if "config" in entry:
     title += f": `--config={entry['config']} --sweep={entry['sweep']}`"

@@ -1,11 +1,11 @@
-"""The retention harness's arithmetic (moc_jax/retention.py): forgetting, learning, means and standard errors
-over seeds, against hand computations. The harness end to end runs in CI (`python -m moc_jax.retention
+"""The retention harness's arithmetic (experiments/retention.py): forgetting, learning, means and standard errors
+over seeds, against hand computations. The harness end to end runs in CI (`python -m experiments.retention
 --quick`, .ci/run)."""
 import math
 
 import numpy as np
 
-from moc_jax import retention
+from experiments import retention
 
 
 def scores(recall_a, recall_b, ce=1.0):

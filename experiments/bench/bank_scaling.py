@@ -20,7 +20,7 @@ bank then holds 268M float32 values (1.07 GB; the dense trainer needs 4 such arr
 fits beside the other sizes in ~12 GB per router and optimizer: on a 24 GB machine time the optimizers (or the
 routers) in separate commands.
 
-`python -m moc_jax.bench.bank_scaling [--config=configs/moc.py:tiny] [--sizes 4096,...] [--optimizers dense,lazy_adam]
+`python -m experiments.bench.bank_scaling [--config=configs/moc.py:tiny] [--sizes 4096,...] [--optimizers dense,lazy_adam]
 [--routers linear,product]`
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax
 from absl import flags
 from flax import nnx
 
+from experiments.bench import common
 from moc_jax import abstract_model, cli, count_params
-from moc_jax.bench import common
 from moc_jax.config.schema import ROUTERS as ALL_ROUTERS
 from moc_jax.errors import ConfigError
 from moc_jax.model.routing import BalanceBias
