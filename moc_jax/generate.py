@@ -7,7 +7,7 @@ Rebuilds the run's config from DIR/config.json and restores its parameters only,
 mesh (as `python -m moc_jax.eval` does), tokenizes with the run's tokenizer and decodes with a fixed-size
 KV cache (model/decode.py): one jitted prefill over the prompt, then one jitted `lax.while_loop` that
 samples a token per step and stops after N tokens or once every row has produced EOS (or the end-of-turn
-token). `--routing` sets `memory.decode_routing` (README "Generating text"). The text goes to stdout, a
+token). `--routing` sets `memory.decode_routing` (docs/generation.md). The text goes to stdout, a
 JSON summary to stderr; bad input exits with code 2 and a message naming the fix.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Tokens per chapter (T), top-k and the backbone stay those of the config, so ever
 (shared + top_k) x T tokens per sequence; only the number of chapters (the bank and the router's
 output width) grows. With `train.bank_optimizer=dense` (MoC-PT's) what grows with the bank is its gradient
 (a scatter-add into a bank-sized zero array), global-norm clipping and AdamW over every bank row, read or
-not. With `lazy_adam` the bank's gradient and update cover the rows read (docs/performance.md#p4), and
+not. With `lazy_adam` the bank's gradient and update cover the rows read (docs/results/2026-11-26-bank-scaling.md), and
 what still grows is the router: with `memory.router=linear` its weights [d, chapters] per memory layer, their
 gradient and AdamW and its logits over every chapter; with `product` (--routers) 2·sqrt(chapters)·d weights,
 whose chapter logits the step never forms (model.routing.GridLogits).

@@ -1,6 +1,6 @@
 """Faults and their recovery, end to end: a killed, interrupted or corrupted run resumes exactly; what must be
 refused (a second run on a workdir, a resume with another model) changes nothing; non-finite updates are skipped
-and never saved. The README's Reliability section points here."""
+and never saved. docs/reliability.md points here."""
 import glob
 import json
 import logging
