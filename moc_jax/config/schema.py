@@ -33,7 +33,7 @@ SCHEDULES = ("wsd", "cosine", "linear", "constant")
 BANK_OPTIMIZERS = ("dense", "lazy_adam", "smf")
 BANK_STATE_MEMORY = ("device", "pinned_host")
 DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the decay start, decay
-LAYOUTS = ("pack", "pad_truncate")
+LAYOUTS = ("pack", "pack_whole", "pad_truncate")
 PACK_BOUNDARIES = ("segment", "eos")
 CHAT_FORMATS = ("plain", "chatml")
 
@@ -177,7 +177,9 @@ def data_config() -> config_dict.ConfigDict:
   c.name = "moc_facts"          # moc_facts | tfds:<name>[/config] | arrayrecord:<dir> | chat:<path.jsonl>
   c.data_dir = os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR)
   c.tokenizer = "byte"          # byte | hf:<tokenizer.json> | sp:<model.model>
-  c.layout = "pack"             # pack | pad_truncate (MoC-PT: one document per row, truncated, right-padded)
+  # pack (concatenated, split into rows) | pack_whole (whole documents per row, first fit, the rest padded) |
+  # pad_truncate (MoC-PT: one document per row, truncated, right-padded); data/pipeline.py
+  c.layout = "pack"
   c.pack_boundaries = "segment"  # segment (segment_ids + positions) | eos (EOS-separated, plain causal)
   c.seq_len = 256
   c.batch_size = 16             # per process, per micro-batch

@@ -49,7 +49,9 @@ def _docs(data_dir, split):
 
 
 @pytest.mark.parametrize("layout, boundaries, extra", [("pack", "segment", {"segment_ids", "positions"}),
-                                                       ("pack", "eos", set()), ("pad_truncate", "segment", set())])
+                                                       ("pack", "eos", set()), ("pad_truncate", "segment", set()),
+                                                       ("pack_whole", "segment", {"segment_ids", "positions"}),
+                                                       ("pack_whole", "eos", set())])
 def test_batch_format(data_dir, layout, boundaries, extra):
   batch = next(make_train_iterator(_config(data_dir, layout=layout, pack_boundaries=boundaries)))
   assert set(batch) == {"input_ids", "labels", "attention_mask", "n_malformed"} | extra
@@ -57,7 +59,7 @@ def test_batch_format(data_dir, layout, boundaries, extra):
     assert v.dtype == np.int32 and v.shape == (() if k == "n_malformed" else (4, 64)), k
 
 
-@pytest.mark.parametrize("layout", ["pack", "pad_truncate"])
+@pytest.mark.parametrize("layout", ["pack", "pack_whole", "pad_truncate"])
 def test_deterministic_by_seed(data_dir, layout):
   a = _take(make_train_iterator(_config(data_dir, layout=layout)), 3)
   b = _take(make_train_iterator(_config(data_dir, layout=layout)), 3)
@@ -65,7 +67,8 @@ def test_deterministic_by_seed(data_dir, layout):
   assert _equal(a, b) and not _equal(a, c)
 
 
-@pytest.mark.parametrize("layout, skip", [("pack", 3), ("pack", 0), ("pad_truncate", 5)])
+@pytest.mark.parametrize("layout, skip", [("pack", 3), ("pack", 0), ("pad_truncate", 5), ("pack_whole", 3),
+                                          ("pack_whole", 17)])
 def test_resume_mid_epoch_from_json_state(data_dir, layout, skip):
   c = _config(data_dir, layout=layout)
   it = make_train_iterator(c)
@@ -129,6 +132,41 @@ def test_pack_segments_positions_and_labels(data_dir):
   docs = _docs(data_dir, "validation")
   assert stream == [t for d in docs for t in d + [BYTE.eos_id]]  # every document once, in order, EOS-terminated
   assert label_stream == [t for d in docs for t in [-100] + d[1:] + [BYTE.eos_id]]
+
+
+def _segments(batches):
+  """(ids, labels, positions) of every segment of every row."""
+  out = []
+  for b in batches:
+    for ids, labels, seg, pos in zip(b["input_ids"], b["labels"], b["segment_ids"], b["positions"]):
+      out += [(ids[seg == s].tolist(), labels[seg == s].tolist(), pos[seg == s].tolist())
+              for s in range(1, seg.max() + 1)]
+  return out
+
+
+def test_pack_whole_puts_every_document_whole_in_one_row(data_dir):
+  batches = list(make_eval_batches(_config(data_dir, layout="pack_whole", seq_len=256)))
+  docs = _docs(data_dir, "validation")
+  assert max(len(d) for d in docs) < 256
+  segments = _segments(batches)
+  for ids, labels, pos in segments:
+    assert labels == [-100] + ids[1:] and pos == list(range(len(ids)))
+  assert sorted(ids for ids, _, _ in segments) == sorted(d + [BYTE.eos_id] for d in docs)  # each once, uncut
+  for b in batches:  # padding only after the row's documents
+    assert all(list(m) == sorted(m, reverse=True) for m in b["attention_mask"])
+  real = sum(int(b["attention_mask"].sum()) for b in batches)
+  assert real / (len(batches) * 4 * 256) > 0.6
+
+
+def test_pack_whole_cuts_only_documents_longer_than_a_row(data_dir):
+  batches = list(make_eval_batches(_config(data_dir, layout="pack_whole", seq_len=64)))
+  docs = [d + [BYTE.eos_id] for d in _docs(data_dir, "validation")]
+  assert min(len(d) for d in docs) > 64
+  pieces = [d[i:i + 64] for d in docs for i in range(0, len(d), 64)]
+  segments = _segments(batches)
+  assert sorted(ids for ids, _, _ in segments) == sorted(pieces)
+  for ids, labels, pos in segments:  # a continued piece's first token is not predicted from another document
+    assert labels == [-100] + ids[1:] and pos == list(range(len(ids)))
 
 
 def test_pack_eos_is_plain_causal(data_dir):
