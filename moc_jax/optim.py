@@ -9,10 +9,13 @@ for warm-up schedules, exactly as MoC-PT's LambdaLR.
 over the chapters an update read (`chapters_read`), the other chapters' values and moments untouched, at a
 cost that follows the chapters read. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
 update over another set of chapters: per bank the `train.smf_top_t` chapters the update read most against a
-background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is.
+background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is. `bank_update` decodes
+these settings and `train.freeze_bank` into one `BankUpdate`, which the train step, the loop and the state layout
+ask in place of the config's strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -23,6 +26,8 @@ import optax
 from flax import nnx
 from jax.experimental.compute_on import compute_on
 
+from moc_jax.config.schema import BANK_OPTIMIZERS
+from moc_jax.errors import ConfigError
 from moc_jax.model.build import param_groups
 
 GROUPS = ("base", "memory", "bank")
@@ -292,10 +297,73 @@ def smf_chapters(read, bank_ids, idf, top_t, chapters):
   return jnp.zeros((banks, chapters), bool).at[jnp.arange(banks)[:, None], top].set(True)
 
 
+@dataclasses.dataclass(frozen=True)
+class BankUpdate:
+  """How an update moves the memory bank: train.freeze_bank, bank_optimizer, smf_top_t and bank_state_memory
+  decoded once (`bank_update`). The optimizer is built from it and the train step, the loop and the state layout
+  ask it, so that no two modules can read those fields differently.
+
+  `rule`: "frozen" (freeze_bank: the bank out of the optimizer, no gradient and no state; bank_lr=0 is not this,
+  it keeps the bank's Adam state), "dense" (AdamW over every chapter, MoC-PT's), "lazy_adam" (AdamW over the
+  chapters an update read) or "smf" (the same over the `top_t` chapters per bank the update read most against a
+  background). `state_memory`: the memory kind holding the lazy state off the device; None on the device."""
+  rule: str
+  top_t: int | None = None
+  state_memory: str | None = None
+
+  @property
+  def frozen(self) -> bool:
+    return self.rule == "frozen"
+
+  @property
+  def lazy(self) -> bool:
+    """The bank is stepped apart from the optax chain, chapter by chapter (`LazyBankOptimizer`)."""
+    return self.rule in ("lazy_adam", "smf")
+
+  @property
+  def smf(self) -> bool:
+    """The chapters moved are SMF's top-t (`smf_chapters`: it needs the background's idf and the update's chapter
+    reads) rather than the chapters read (`chapters_read`)."""
+    return self.rule == "smf"
+
+  @property
+  def sparse_gradient(self) -> bool:
+    """The bank's gradient may be taken as the rows read (`SparseRows`): lazy_adam moves those rows alone, while
+    smf's top-t may name chapters the update did not read (ties at score 0), so it takes the dense gradient."""
+    return self.rule == "lazy_adam"
+
+  @property
+  def state_layout(self) -> str:
+    """The bank's optimizer state as a checkpoint holds it: "none", "dense" (AdamW's moments) or "lazy" (moments
+    and per-chapter counts, lazy_adam's and smf's alike); a run resumes only into the layout it saved."""
+    if self.frozen:
+      return "none"
+    return "lazy" if self.lazy else "dense"
+
+  @property
+  def setting(self) -> str:
+    """The config setting that selects the rule, as a user writes it (for messages)."""
+    return "freeze_bank=True" if self.frozen else f"bank_optimizer={self.rule}"
+
+
+def bank_update(t) -> BankUpdate:
+  """The `BankUpdate` of config.train `t` (a ConfigDict, or a dict holding every train field). freeze_bank wins
+  over bank_optimizer (validation refuses the two together); an unknown bank_optimizer is a ConfigError rather
+  than some other rule's update."""
+  kind = t["bank_optimizer"]
+  if kind not in BANK_OPTIMIZERS:
+    raise ConfigError(f"config.train.bank_optimizer: unknown value {kind!r} — use one of {list(BANK_OPTIMIZERS)}")
+  rule = "frozen" if t["freeze_bank"] else kind
+  memory = t["bank_state_memory"]
+  return BankUpdate(rule, top_t=t["smf_top_t"] if rule == "smf" else None,
+                    state_memory=None if memory == "device" else memory)
+
+
 def make_optimizer(t, params):
-  """The full update rule: an optax chain (clipping, then the groups), or for `bank_optimizer=lazy_adam | smf`
-  a `LazyBankOptimizer` (the bank apart, see there). `freeze_bank` drops the bank from the optimizer (no
-  Adam state, no update)."""
+  """The full update rule: an optax chain (clipping, then the groups), or for a lazy `bank_update` a
+  `LazyBankOptimizer` (the bank apart, see there). A frozen bank is dropped from the optimizer (no Adam state,
+  no update)."""
+  bank = bank_update(t)
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
 
@@ -305,16 +373,15 @@ def make_optimizer(t, params):
   wds = group_weight_decays(t)
   transforms = {g: group_tx(lrs[g], optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
                             optax.add_decayed_weights(wds[g])) for g in GROUPS}
-  if t.freeze_bank:
+  if bank.frozen:
     transforms["bank"] = optax.set_to_zero()
-  lazy = t.bank_optimizer in ("lazy_adam", "smf") and not t.freeze_bank
-  if lazy:
+  if bank.lazy:
     params, transforms = without_bank(params), {g: tx for g, tx in transforms.items() if g != "bank"}
   labels = group_labels(params)
   if "fixed" in jax.tree.leaves(labels):  # the aux-free balance bias: no gradient step, no weight decay
     transforms["fixed"] = optax.set_to_zero()
   groups = optax.multi_transform(transforms, labels)
-  if lazy:
+  if bank.lazy:
     return LazyBankOptimizer(groups, lambda s: -lrs["bank"] * lam(s), t.clip_norm, t.b1, t.b2, t.eps,
                              wds["bank"])
   chain = [optax.clip_by_global_norm(t.clip_norm)] if t.clip_norm > 0 else []
@@ -323,5 +390,5 @@ def make_optimizer(t, params):
 
 def current_lrs(t, update_count) -> dict[str, float]:
   """The LR each group used for update number `update_count` (0-based), for logging."""
-  lam = float(schedule_multiplier(t)(update_count))
-  return {g: lr * lam * (0.0 if g == "bank" and t.freeze_bank else 1.0) for g, lr in group_lrs(t).items()}
+  lam, frozen = float(schedule_multiplier(t)(update_count)), bank_update(t).frozen
+  return {g: lr * lam * (0.0 if g == "bank" and frozen else 1.0) for g, lr in group_lrs(t).items()}

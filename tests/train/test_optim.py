@@ -1,4 +1,5 @@
-"""Schedules against MoC-PT's schedule table (docs/mocpt_semantics.md#lr-schedules), parameter-group LRs, AdamW semantics, frozen banks."""
+"""Schedules against MoC-PT's schedule table (docs/mocpt_semantics.md#lr-schedules), parameter-group LRs, AdamW semantics, frozen banks,
+the bank update each bank setting decodes to."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +9,7 @@ from flax import nnx
 
 import moc_jax
 from moc_jax import optim
+from moc_jax.config import base_config
 
 
 def _train_cfg(**kw):
@@ -189,3 +191,34 @@ def test_bank_weight_decay_applies_to_the_bank_alone(bank_optimizer):
   np.testing.assert_allclose(bank_new, np.float64(bank) * (1 - 3e-2 * 0.25), rtol=1e-6)
   scale = np.asarray(params["final_norm"]["scale"][...], np.float64)
   np.testing.assert_allclose(np.asarray(new["final_norm"]["scale"][...]), scale * (1 - 1e-2 * 0.1), rtol=1e-6)
+
+
+_FIELDS = base_config().train.to_dict()  # every train field, at its default
+
+
+@pytest.mark.parametrize("fields, want, asked", [
+    # fields over the defaults -> the decoded update, (frozen, lazy, smf, sparse_gradient, state_layout, setting)
+    ({}, optim.BankUpdate("dense"), (False, False, False, False, "dense", "bank_optimizer=dense")),
+    ({"freeze_bank": True}, optim.BankUpdate("frozen"), (True, False, False, False, "none", "freeze_bank=True")),
+    ({"bank_optimizer": "lazy_adam"}, optim.BankUpdate("lazy_adam"),
+     (False, True, False, True, "lazy", "bank_optimizer=lazy_adam")),
+    ({"bank_optimizer": "lazy_adam", "bank_state_memory": "pinned_host"},
+     optim.BankUpdate("lazy_adam", state_memory="pinned_host"),
+     (False, True, False, True, "lazy", "bank_optimizer=lazy_adam")),
+    ({"bank_optimizer": "smf", "smf_top_t": 3}, optim.BankUpdate("smf", top_t=3),
+     (False, True, True, False, "lazy", "bank_optimizer=smf"))])
+def test_bank_update_decodes_each_setting(fields, want, asked):
+  bank = optim.bank_update({**_FIELDS, **fields})
+  assert bank == want
+  assert (bank.frozen, bank.lazy, bank.smf, bank.sparse_gradient, bank.state_layout, bank.setting) == asked
+
+
+def test_bank_update_of_a_loaded_config():
+  assert optim.bank_update(_train_cfg(**{"train.bank_optimizer": "lazy_adam"}).train) == optim.BankUpdate("lazy_adam")
+
+
+@pytest.mark.parametrize("freeze_bank", [False, True])
+def test_bank_update_refuses_an_unknown_bank_optimizer_by_name(freeze_bank):
+  want = r"^config\.train\.bank_optimizer: unknown value 'adam' — use one of \['dense', 'lazy_adam', 'smf'\]$"
+  with pytest.raises(moc_jax.ConfigError, match=want):
+    optim.bank_update({**_FIELDS, "bank_optimizer": "adam", "freeze_bank": freeze_bank})
