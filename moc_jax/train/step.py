@@ -29,7 +29,7 @@ from flax import nnx
 
 from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
-from moc_jax.optim import LazyBankOptimizer, SparseRows, chapters_read, smf_chapters, split_bank, without_bank
+from moc_jax.optim import SparseRows, bank_update, chapters_read, smf_chapters, split_bank, without_bank
 from moc_jax.model.routing import balance_bias_step, read_weight
 from moc_jax.router_health import STEP_STATS
 from moc_jax.sharding import current
@@ -48,13 +48,12 @@ def _move_balance_bias(graphdef, params, load, mem, ok):
   return nnx.state(model, nnx.Param)
 
 
-def _chapter_mask(config, params, stats, idf):
-  """The chapters a lazy_adam / smf update moves, bool [banks, chapters] (padded for sharding: those
-  chapters are never read)."""
-  t = config.train
+def _chapter_mask(config, bank, params, stats, idf):
+  """The chapters a lazy `bank` update moves, bool [banks, chapters] (padded for sharding: those chapters are
+  never read)."""
   chapters = params["bank"]["memory"].shape[1]
-  if t.bank_optimizer == "smf":
-    return smf_chapters(stats["router_read"], bank_ids(config), idf, t.smf_top_t, chapters)
+  if bank.smf:
+    return smf_chapters(stats["router_read"], bank_ids(config), idf, bank.top_t, chapters)
   return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
 
 
@@ -66,10 +65,10 @@ def _decision_mask(chapters, batch):
   return mask
 
 
-def _sparse_bank(config):
-  """Whether this trace takes the bank's gradient sparse (`BankRows`): lazy_adam on a bank whose chapter axis
-  is not split over devices (a chapter-sharded bank takes the masked update, shard by shard)."""
-  return config.train.bank_optimizer == "lazy_adam" and not current("chapters")[0]
+def _sparse_bank(bank):
+  """Whether this trace takes the bank's gradient sparse (`BankRows`): a `bank` update that can, on a bank whose
+  chapter axis is not split over devices (a chapter-sharded bank takes the masked update, shard by shard)."""
+  return bank.sparse_gradient and not current("chapters")[0]
 
 
 def _rows_per_bank(rows, grads, ids_of, chapters):
@@ -98,10 +97,8 @@ def bank_delta_shape(graphdef, params, batch, num_shared):
 
 def make_train_step(graphdef, tx, config, idf=None):
   """`idf` [banks, chapters]: the background of `bank_optimizer=smf` (bank_background.idf)."""
-  accum, freeze = config.train.grad_accum, config.train.freeze_bank
-  smf = config.train.bank_optimizer == "smf"
-  lazy = isinstance(tx, LazyBankOptimizer)
-  if smf and idf is None:
+  accum, bank = config.train.grad_accum, bank_update(config.train)
+  if bank.smf and idf is None:
     raise ValueError("bank_optimizer=smf needs the background's idf")
   mem = config.memory
 
@@ -111,13 +108,13 @@ def make_train_step(graphdef, tx, config, idf=None):
       stats["router_entropy"] = jnp.mean(aux["entropy"])
       stats["router_load"] = aux["load"] * accum  # summed over the update's micro-batches below
       stats.update({f"router_{k}": aux[k] for k in STEP_STATS if k in aux})
-      if smf:
+      if bank.smf:
         read = read_weight(aux["chapters"], aux["weights"], mem.num_chapters, _decision_mask(aux["chapters"], batch))
         stats["router_read"] = read * accum
     return stats
 
   def loss_fn(params, batch):
-    if freeze:
+    if bank.frozen:
       params = _freeze_bank(params)
     loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True)
     return loss, {"ce": ce, **step_stats(aux, batch)}
@@ -160,8 +157,8 @@ def make_train_step(graphdef, tx, config, idf=None):
   def train_step(state, batch):
     params = state["params"]
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
-    if lazy:
-      if _sparse_bank(config):
+    if bank.lazy:
+      if _sparse_bank(bank):
         loss, stats, (rest_grads, bank_grad) = sparse_grads(params, micro)
       else:
         loss, stats, grads = dense_grads(params, micro)
@@ -169,7 +166,7 @@ def make_train_step(graphdef, tx, config, idf=None):
       grad_norm = tx.global_norm(rest_grads, bank_grad)
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_params, opt_state = tx.apply(params, state["opt_state"], rest_grads, bank_grad,
-                                       _chapter_mask(config, params, stats, idf), grad_norm, ok)
+                                       _chapter_mask(config, bank, params, stats, idf), grad_norm, ok)
       new = {"params": new_params, "opt_state": opt_state}
     else:
       loss, stats, grads = dense_grads(params, micro)
