@@ -54,8 +54,8 @@ def build_state(config, mesh) -> StateLayout:
   rules = sharding.rules_of(config)
   p_shard = sharding.logical_shardings(abstract_params, mesh, rules)
   o_shard = sharding.logical_shardings(abstract_opt, mesh, rules)
-  if config.train.bank_state_memory != "device":  # the lazy bank state in host memory (optim.LazyBankOptimizer)
-    kind = config.train.bank_state_memory
+  kind = optim.bank_update(config.train).state_memory
+  if kind is not None:  # the lazy bank state off the device (optim.LazyBankOptimizer)
     o_shard = o_shard._replace(bank=jax.tree.map(lambda s: s.with_memory_kind(kind), o_shard.bank))
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   scalars = ("step", "nonfinite", "skipped", "rng")

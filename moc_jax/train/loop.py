@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
 from moc_jax import bank_background, flops, optim, sharding
-from moc_jax.config import bank_ids, routing_statement
+from moc_jax.config import bank_ids, base_config, routing_statement
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import CheckpointError, ConfigError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
@@ -83,13 +83,13 @@ def train_and_evaluate(config, workdir: str, make_evaluator) -> dict:
 
 def _smf_idf(config):
   """The background idf of `bank_optimizer=smf` (read before anything compiles), else None."""
-  t = config.train
-  if t.bank_optimizer != "smf":
+  bank = optim.bank_update(config.train)
+  if not bank.smf:
     return None
-  path = bank_background.path_for(t)
+  path = bank_background.path_for(config.train)
   idf = bank_background.idf(path, max(bank_ids(config)) + 1, config.memory.num_chapters)
   log.warning("moc_jax: sparse memory finetuning: %d chapters per bank per update, ranked against %s",
-              t.smf_top_t, path)
+              bank.top_t, path)
   return idf
 
 
@@ -188,17 +188,15 @@ def _resume(checkpointer, abstract_state, data_iter):
 
 
 def _bank_state_kind(train) -> tuple[str, str]:
-  """(the layout of the bank's optimizer state, the setting that gives it) for a config's `train` (a dict)."""
-  if train.get("freeze_bank"):
-    return "none", "freeze_bank=True"
-  kind = train.get("bank_optimizer", "dense")
-  return ("dense" if kind == "dense" else "lazy"), f"bank_optimizer={kind}"
+  """(the layout of the bank's optimizer state, the setting that gives it) for a config's `train` as a dict; a
+  field it lacks (a run saved before the field existed) takes its default."""
+  bank = optim.bank_update({**base_config().train.to_dict(), **train})
+  return bank.state_layout, bank.setting
 
 
 def _check_same_optimizer(config, workdir):
-  """A run resumes with a bank optimizer whose state has the layout it was trained with (dense AdamW's
-  moments; lazy Adam's moments and per-chapter counts, shared by lazy_adam and smf; none when frozen):
-  another is refused by name before Orbax compares arrays."""
+  """A run resumes with a bank optimizer whose state has the layout it was trained with
+  (`optim.BankUpdate.state_layout`): another is refused by name before Orbax compares arrays."""
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return
@@ -245,7 +243,7 @@ def _log_memory(config, abstract_state):
   msg = (f"moc_jax: {counts['total']:,} parameters (bank {counts['bank']:,}); params "
          f"{_nbytes(abstract_state['params']) / 2**20:.1f} MiB, optimizer state "
          f"{_nbytes(abstract_state['opt_state']) / 2**20:.1f} MiB")
-  if config.train.freeze_bank:
+  if optim.bank_update(config.train).frozen:
     msg += f" (freeze_bank: no Adam state for the bank, {2 * 4 * counts['bank'] / 2**20:.1f} MiB saved)"
   log.warning(msg)
 
