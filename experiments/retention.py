@@ -30,7 +30,7 @@ from experiments import harness
 from experiments.sweeps.launch import run_to_completion
 from experiments.sweeps.plan import plan, resolve
 from experiments.sweeps.report import mean_and_se
-from moc_jax import cli
+from moc_jax import cli, optim
 
 FLAGS = flags.FLAGS
 
@@ -77,10 +77,11 @@ def arm_label(config) -> str:
   t = config.train
   if not config.memory.enabled:
     return "iso-FLOP vanilla, full finetuning"
-  if t.bank_optimizer == "smf":
+  bank = optim.bank_update(t)
+  if bank.smf:
     rest = "backbone and memory layers frozen" if t.base_lr == t.memory_lr == 0 else "the rest training"
-    return f"MoC, chapter SMF (top {t.smf_top_t}; {rest})"
-  if t.freeze_bank:
+    return f"MoC, chapter SMF (top {bank.top_t}; {rest})"
+  if bank.frozen:
     return "MoC, bank dropped from the optimizer"
   if t.bank_lr is None:
     return "MoC, bank LR = memory LR"
