@@ -4,8 +4,9 @@
 
 Evaluates a training run's checkpoint: the run's config.json (with `--config.` overrides on top; the mesh
 defaults to this machine's devices), parameters only, restored onto this mesh. Writes DIR/eval.json (or
---out) and the routing plots beside it, and prints a markdown summary. Bad input exits with code 2 and
-one message naming the file or field and the fix.
+--out) and the routing plots beside it, and prints a markdown summary. A run whose routing is not causal
+(`sequence`, `segment`) also gets the CE of its weights routed causally (`prefix`), so the future-token leak in its
+own CE shows beside it. Bad input exits with code 2 and one message naming the file or field and the fix.
 """
 from __future__ import annotations
 

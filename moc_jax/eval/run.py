@@ -1,6 +1,11 @@
 """Evaluating a saved run: its config rebuilt from config.json, its parameters restored onto this
 machine's mesh, then CE on a split, fact recall by entity frequency, MCQ benchmarks and routing analysis,
 written to eval.json (+ routing plots) and summarised as a markdown table.
+
+A run whose routing is not causal (`sequence`, `segment`: a decision pools tokens after the position it serves)
+is also scored with the same weights routed causally (`CAUSAL_ROUTING`), reported as `causally_routed` beside its
+own CE: the difference is what the routing input saw of the tokens being predicted. A causal run's CE has no
+such leak, so it gets no second figure.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from flax import nnx
 from moc_jax import data as data_lib
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
-from moc_jax.config import memory_layers
+from moc_jax.config import memory_layers, routing_is_causal
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
@@ -24,9 +29,14 @@ from moc_jax.eval.ce import CEEvaluator, split_batches
 from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes
 from moc_jax.eval.scoring import Scorer, stderr
 from moc_jax.model import quantize
+from moc_jax.model.build import abstract_model
 from moc_jax.state import build_state, restore_params
 
 log = logging.getLogger("moc_jax")
+
+# The routing a non-causal run's weights are also scored with: each position's chapters chosen from the tokens of
+# its document up to it (the routing mode is not a parameter, so any checkpoint can be read this way).
+CAUSAL_ROUTING = "prefix"
 
 
 # --- the whole evaluation ----------------------------------------------------------------------------
@@ -88,6 +98,8 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
     split_eval = CEEvaluator(graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
                              split_batches(config, o.split), routing=True)
     report.update(split_eval(params, usage.add if usage else None))
+    if not routing_is_causal(config):
+      report["causally_routed"] = _causally_routed(config, layout.shardings["params"], split_eval, params, report)
     probes = None
     if config.data.name == "moc_facts":
       all_probes = data_lib.load_probes(config.data)
@@ -132,6 +144,15 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
     with open(out_path, "w") as f:
       json.dump(report, f, indent=1)
   return report
+
+
+def _causally_routed(config, p_shard, split_eval, params, report) -> dict:
+  """CE of `params` on the split's batches with `memory.routing` = CAUSAL_ROUTING, against the run's own CE."""
+  causal = config.copy_and_resolve_references()
+  causal.memory.routing = CAUSAL_ROUTING
+  graphdef = nnx.split(abstract_model(causal), nnx.Param)[0]
+  out = CEEvaluator(graphdef, p_shard, split_eval.sharding, split_eval.batches)(params)
+  return {"routing": CAUSAL_ROUTING, **out, "ce_delta": out["ce"] - report["ce"]}
 
 
 def _fact_recall(evaluator, params, edges) -> dict:
@@ -194,8 +215,12 @@ def markdown_table(report: dict) -> str:
   devices = f"{report['devices']} device" + ("s" if report["devices"] > 1 else "")
   lines = [f"## {report['workdir']} — step {report['step']} ({report['config']}, {devices})", "",
            "| metric | value |", "|---|---:|",
-           f"| {report['split']} CE (nats/token) | {report['ce']:.4f} |",
-           f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
+           f"| {report['split']} CE (nats/token) | {report['ce']:.4f} |"]
+  causal = report.get("causally_routed")
+  if causal:
+    lines += [f"| {report['split']} CE routed causally (`{causal['routing']}`, same weights) | {causal['ce']:.4f} |",
+              f"| future-token leak in the CE above (causal − own routing) | {causal['ce_delta']:+.4f} |"]
+  lines += [f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
   fr = report.get("fact_recall")
   if fr:
     lines += [f"| fact recall, likelihood choice ({fr['num_probes']} probes, chance {fr['probe_chance']:.2f}) | "

@@ -29,7 +29,9 @@ from tests.train import train_utils as tu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIX = os.path.join(REPO, "tests", "fixtures", "mcq")
 FORMATS = {"arc": "arc", "boolq": "boolq", "openbookqa": "openbookqa", "mmlu": "mmlu", "hellaswag": "hellaswag"}
-EXTRA = {"train.batch_size": 8}  # divisible by 8 devices: the slow test restores this run on a data x memory mesh
+# batch divisible by 8 devices: the slow test restores this run on a data x memory mesh; MoC-PT's non-causal
+# routing, one decision per row
+EXTRA = {"train.batch_size": 8, "memory.routing": "sequence"}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,30 @@ def test_cli_reports_the_training_evaluation_mcq_and_routing(run, tmp_path):
     assert open(report["files"][key], "rb").read(4) == b"\x89PNG"
     assert report["files"][key] in proc.stdout
   assert "| fact recall, likelihood choice" in proc.stdout and "| entity training docs |" in proc.stdout
+
+
+def test_a_non_causal_run_also_reports_its_weights_routed_causally(run, tmp_path):
+  """The report's causal CE is the CE of the same checkpoint with `memory.routing` overridden to `prefix`, as the
+  training loop's evaluation of a prefix-routed run measures it; that causal evaluation reports no second figure."""
+  from moc_jax.eval.run import evaluate
+  config, workdir, _, last = run
+  report = evaluate(config, workdir, EvalOptions(analyze_routing=False, out=str(tmp_path / "eval.json")))
+  causal = report["causally_routed"]
+  prefix = load_run_config(workdir, {"memory.routing": "prefix", "data.data_dir": config.data.data_dir})
+  mesh = sharding.make_mesh(prefix)
+  with sharding.activate(mesh, sharding.rules_of(prefix)):
+    layout = state_lib.build_state(prefix, mesh)
+    params, _ = restore_params(workdir, layout)
+    want = ValidationEvaluator(prefix, layout.graphdef, layout.shardings["params"],
+                               sharding.data_sharding(prefix, mesh))(params)
+  assert report["ce"] == pytest.approx(last["ce"], rel=1e-6)  # its own, non-causal CE
+  assert causal["routing"] == "prefix" and causal["ce"] == pytest.approx(want["ce"], rel=1e-6)
+  assert causal["tokens"] == want["tokens"] == report["tokens"]
+  assert abs(causal["ce"] - report["ce"]) > 1e-4 and causal["ce_delta"] == pytest.approx(causal["ce"] - report["ce"])
+  assert f"| validation CE routed causally (`prefix`, same weights) | {causal['ce']:.4f} |" in markdown_table(report)
+  again = evaluate(prefix, workdir, EvalOptions(analyze_routing=False, out=str(tmp_path / "prefix.json")))
+  assert again["ce"] == pytest.approx(causal["ce"], rel=1e-6) and "causally_routed" not in again
+  assert "routed causally" not in markdown_table(again)
 
 
 def test_mcq_scores_equal_a_direct_computation_from_the_logits(run):
