@@ -199,6 +199,9 @@ def data_config() -> config_dict.ConfigDict:
   f.num_val_docs = 1000
   f.probes_per_fact = 1
   f.num_candidates = 4
+  # mixed (2-4 facts per document, in sentences) | biography (every attribute of one entity in one short line;
+  # with zipf_a = 0 and many documents per entity: a store sized against the backbone's capacity, data/facts.py)
+  f.style = "mixed"
   return c
 
 

@@ -1,9 +1,14 @@
 """`moc_facts`: a synthetic knowledge corpus generated locally, so memory layers can be studied without downloads.
 
 Fictional entities (names built from syllables) get one value per attribute (birth city, birth year,
-profession, ...). A document states 2-4 facts about one entity, each through a paraphrase template; entities
-are drawn Zipf(a) across documents, so a few are seen thousands of times and most rarely or never — the long
-tail a memory bank should help with. Splits:
+profession, ...); entities are drawn Zipf(a) across documents (a = 0: uniformly). What a document holds is the
+corpus's `style`:
+  mixed       2-4 facts about one entity, each through a paraphrase template: a few entities are seen
+              thousands of times and most rarely or never — the long tail a memory bank should help with;
+  biography   every attribute of one entity in a compact line ("Talo Venrik: job baker; city Aldergate; ..."),
+              in a random order, short enough for one row: with many documents per entity, a store sized
+              by its bits of facts (`fact_bits`) against what a backbone can hold.
+Splits:
   train       documents rendered with the attribute's training templates;
   validation  held-out documents about the same facts, rendered with the training templates (new
               combinations of facts), so validation loss falls as the facts are learnt;
@@ -23,6 +28,7 @@ import dataclasses
 import fcntl
 import itertools
 import logging
+import math
 import os
 import random
 
@@ -103,6 +109,10 @@ ATTRIBUTES = {
 }
 _ATTRS = tuple(ATTRIBUTES)
 NUM_TRAIN_TEMPLATES = 4
+STYLES = ("mixed", "biography")
+# biography: each attribute's key in the compact line; "{name}: {key}" is the attribute's cloze prompt
+BIOGRAPHY_KEYS = {"birth_city": "city", "birth_year": "year", "profession": "job", "employer": "employer",
+                  "colour": "colour", "instrument": "plays", "sport": "sport", "food": "food", "pet": "pet"}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,13 +127,29 @@ class MocFactsConfig(tfds.core.BuilderConfig):
   num_val_docs: int
   probes_per_fact: int
   num_candidates: int
+  style: str
 
   @classmethod
   def for_sizes(cls, facts) -> "MocFactsConfig":
     fields = dict(facts)
     name = ("e{num_entities}_d{num_docs}_v{num_val_docs}_z{zipf_a}_s{seed}_p{probes_per_fact}"
             "_c{num_candidates}").format(**fields)
+    if fields["style"] != "mixed":  # the mixed corpus keeps the cache name it always had
+      name += f"_{fields['style']}"
     return cls(name=name, description="moc_facts with " + name, **fields)
+
+
+def fact_bits(facts) -> dict:
+  """The information the corpus's facts hold: every attribute value is drawn uniformly from its pool, so an
+  entity's facts are Σ_a log2 |pool_a| bits (about 43). {per_entity, entities: those named by at least one
+  training document, total: bits of the facts training states}; a backbone stores about 1-2 bits per parameter
+  at best (Allen-Zhu & Li, "Physics of Language Models, Part 3.3")."""
+  cfg = MocFactsConfig.for_sizes(facts)
+  _check(cfg)
+  per_entity = sum(math.log2(len(values)) for values, _, _ in ATTRIBUTES.values())
+  picks = _picks(cfg, "train", cfg.num_docs)
+  entities = len(set(picks))
+  return {"per_entity": per_entity, "entities": entities, "total": per_entity * entities}
 
 
 def _check(cfg: MocFactsConfig):
@@ -132,8 +158,10 @@ def _check(cfg: MocFactsConfig):
       ("num_entities", 1 <= cfg.num_entities <= 200_000, "use 1..200000"),
       ("num_docs", cfg.num_docs >= 1, "use >= 1"),
       ("num_val_docs", cfg.num_val_docs >= 1, "use >= 1"),
-      ("zipf_a", cfg.zipf_a > 0, "use > 0"),
-      ("probes_per_fact", 1 <= cfg.probes_per_fact <= NUM_TRAIN_TEMPLATES, f"use 1..{NUM_TRAIN_TEMPLATES}"),
+      ("zipf_a", cfg.zipf_a >= 0, "use >= 0 (0: every entity equally often)"),
+      ("style", cfg.style in STYLES, f"use one of {list(STYLES)}"),
+      ("probes_per_fact", 1 <= cfg.probes_per_fact <= (NUM_TRAIN_TEMPLATES if cfg.style == "mixed" else 1),
+       "use 1..4 (biography: 1, its one prompt per attribute)"),
       ("num_candidates", 2 <= cfg.num_candidates <= smallest, f"use 2..{smallest}"),
   ]
   for field, ok, fix in checks:
@@ -164,19 +192,44 @@ def _documents(rng, entities, values, picks, templates_for):
   return docs
 
 
+def _biographies(rng, entities, values, picks):
+  """(entity index, text) per picked entity: all of its attributes as `key value` clauses in a random order,
+  so each attribute follows the name directly in some documents (the form of its probe) and not in others."""
+  docs = []
+  for e in picks:
+    order = rng.sample(range(len(_ATTRS)), len(_ATTRS))
+    clauses = "; ".join(f"{BIOGRAPHY_KEYS[_ATTRS[a]]} {values[e][a]}" for a in order)
+    docs.append((e, f"{entities[e]}: {clauses}."))
+  return docs
+
+
+def _rngs(cfg):
+  """The corpus's random streams (names, values, train, validation, probes). Python's Random is stable across
+  platforms for str seeds and much faster than numpy for scalar draws."""
+  return [random.Random(f"moc_facts/{cfg.seed}/{stream}") for stream in range(5)]
+
+
+def _picks(cfg, split, n, rng=None):
+  """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1)."""
+  weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))
+  rng = rng or _rngs(cfg)[{"train": 2, "validation": 3}[split]]
+  return rng.choices(range(cfg.num_entities), cum_weights=weights, k=n)
+
+
 def generate(cfg: MocFactsConfig) -> dict:
   """The whole corpus as Python lists (deterministic in cfg): {train, validation, paraphrase, probes}."""
   _check(cfg)
-  # Python's Random is stable across platforms for str seeds and much faster than numpy for scalar draws.
-  rng_names, rng_values, rng_train, rng_val, rng_probes = (
-      random.Random(f"moc_facts/{cfg.seed}/{stream}") for stream in range(5))
+  rng_names, rng_values, rng_train, rng_val, rng_probes = _rngs(cfg)
   entities = _entity_names(rng_names, cfg.num_entities)
   values = [[rng_values.choice(ATTRIBUTES[a][0]) for a in _ATTRS] for _ in entities]
-  weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))  # index i: rank i+1
-  train_picks = rng_train.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_docs)
-  val_picks = rng_val.choices(range(cfg.num_entities), cum_weights=weights, k=cfg.num_val_docs)
-  train = _documents(rng_train, entities, values, train_picks, lambda a: ATTRIBUTES[a][1])
-  val = _documents(rng_val, entities, values, val_picks, lambda a: ATTRIBUTES[a][1])
+  train_picks = _picks(cfg, "train", cfg.num_docs, rng_train)
+  val_picks = _picks(cfg, "validation", cfg.num_val_docs, rng_val)
+  if cfg.style == "biography":
+    train = _biographies(rng_train, entities, values, train_picks)
+    val = _biographies(rng_val, entities, values, val_picks)
+  else:
+    train = _documents(rng_train, entities, values, train_picks, lambda a: ATTRIBUTES[a][1])
+    val = _documents(rng_val, entities, values, val_picks, lambda a: ATTRIBUTES[a][1])
   paraphrase = _documents(random.Random(f"moc_facts/{cfg.seed}/paraphrase"), entities, values, val_picks,
                           lambda a: (ATTRIBUTES[a][2],))
   doc_count = collections.Counter(e for e, _ in train)
@@ -192,8 +245,9 @@ def generate(cfg: MocFactsConfig) -> dict:
       answer = values[e][a]
       candidates = [answer] + rng_probes.sample([v for v in pool if v != answer], cfg.num_candidates - 1)
       rng_probes.shuffle(candidates)
-      for template in templates[:cfg.probes_per_fact]:
-        prompt = template[:template.index("{value}")].rstrip().format(name=name)
+      prompts = ([f"{name}: {BIOGRAPHY_KEYS[attr]}"] if cfg.style == "biography" else
+                 [t[:t.index("{value}")].rstrip().format(name=name) for t in templates[:cfg.probes_per_fact]])
+      for prompt in prompts:
         probes.append({"text": f"{prompt} {answer}", "entity": name, "entity_rank": e + 1,
                        "doc_count": doc_count[e], "attribute": attr, "prompt": prompt, "answer": answer,
                        "candidates": candidates})

@@ -1,5 +1,6 @@
 """The moc_facts corpus: deterministic, Zipf long tail, held-out paraphrases, probes, per-config cache."""
 import collections
+import math
 import os
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from moc_jax.config import data_config
 from moc_jax.data import load_probes
 from moc_jax.errors import DataError
-from moc_jax.data.facts import ATTRIBUTES, MocFactsConfig, facts_builder, generate
+from moc_jax.data.facts import ATTRIBUTES, BIOGRAPHY_KEYS, MocFactsConfig, fact_bits, facts_builder, generate
 
 
 def tiny_facts(**overrides):
@@ -94,3 +95,51 @@ def test_builder_is_deterministic_and_cached_per_config(tmp_path):
 def test_invalid_facts_config(field, value, tmp_path):
   with pytest.raises(DataError, match=f"config.data.facts.{field}"):
     facts_builder(tiny_facts(**{field: value}), str(tmp_path))
+
+
+def test_the_mixed_corpus_is_what_it_always_was():
+  """The biography style and the uniform draw left the default corpus as it was: its bytes, pinned."""
+  import hashlib
+  import json
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts()))
+  assert hashlib.sha256(json.dumps(corpus, sort_keys=True).encode()).hexdigest()[:16] == "593296b6b9b2f0db"
+  assert MocFactsConfig.for_sizes(tiny_facts()).name == "e60_d600_v40_z1.1_s0_p1_c4"
+
+
+def biography(**overrides):
+  return tiny_facts(**{"style": "biography", "zipf_a": 0.0, **overrides})
+
+
+def test_fact_bits_by_hand():
+  """Pools of 40 cities, 100 years, 30 professions, 30 employers, 20 colours, instruments, sports and foods,
+  15 pets: log2 of their product per entity; only entities some training document names count."""
+  per_entity = math.log2(40 * 100 * 30 * 30 * 20 ** 4 * 15)
+  bits = fact_bits(biography(num_entities=50, num_docs=5000))
+  assert bits["per_entity"] == pytest.approx(per_entity, rel=1e-12) and bits["entities"] == 50
+  assert bits["total"] == pytest.approx(50 * per_entity, rel=1e-12)
+  few = fact_bits(tiny_facts(num_entities=1000, num_docs=20))  # Zipf: 20 documents name at most 20 entities
+  assert few["entities"] <= 20 and few["total"] == pytest.approx(few["entities"] * per_entity, rel=1e-12)
+
+
+def test_biographies_hold_every_fact_in_one_row():
+  """Every biography states all nine facts of its entity, fits a 256-token row with its EOS (byte tokens,
+  the longest names and values), every entity gets about as many documents (zipf_a = 0), and each probe's
+  prompt + answer is a clause some training document begins with."""
+  corpus = generate(MocFactsConfig.for_sizes(biography(num_entities=200, num_docs=20_000, num_val_docs=200)))
+  facts = {(p["entity"], p["attribute"]): p["answer"] for p in corpus["probes"]}
+  for doc in corpus["train"] + corpus["validation"]:
+    assert len(doc["text"].encode()) + 1 <= 256
+    name, clauses = doc["text"].rstrip(".").split(": ", 1)
+    stated = dict(c.split(" ", 1) for c in clauses.split("; "))
+    assert stated == {BIOGRAPHY_KEYS[a]: facts[name, a] for a in ATTRIBUTES}
+  counts = collections.Counter(d["entity"] for d in corpus["train"])
+  assert len(counts) == 200 and max(counts.values()) < 1.5 * 100 and min(counts.values()) > 0.5 * 100
+  openings = {d["text"].split("; ")[0] for d in corpus["train"]}
+  assert all(f"{p['prompt']} {p['answer']}" in openings for p in corpus["probes"])
+  assert len(corpus["probes"]) == 200 * len(ATTRIBUTES)
+
+
+@pytest.mark.parametrize("field, value", [("style", "essay"), ("zipf_a", -1.0), ("probes_per_fact", 2)])
+def test_bad_biography_fields_are_one_error(field, value):
+  with pytest.raises(DataError, match=rf"config.data.facts.{field}="):
+    generate(MocFactsConfig.for_sizes(biography(**{field: value})))
