@@ -41,6 +41,12 @@ def moc_tiny():
   return Compiled("configs/moc.py:tiny", seed=1)
 
 
+@pytest.fixture(scope="session")
+def moc_tiny_mocpt_routing():
+  """`tiny` routed as MoC-PT routes (`sequence` + `mocpt`, not tiny's default): for tests of that routing."""
+  return Compiled("configs/moc.py:tiny", {"memory.routing": "sequence", "memory.load_balance": "mocpt"}, seed=1)
+
+
 # Tokenizers trained offline on a tiny corpus (data tests use them; nothing is downloaded).
 TOKENIZER_CORPUS = [f"Héllo world, this is tiny corpus número {i} about cats, dogs and <|im_end|> tokens." for i in range(200)]
 

@@ -2,7 +2,7 @@
 import pytest
 
 import moc_jax
-from moc_jax.config import LayerPlan, bank_ids, layer_plan, memory_layers
+from moc_jax.config import LayerPlan, bank_ids, base_config, layer_plan, memory_layers, routing_is_causal
 
 
 def _tiny(**overrides):
@@ -54,7 +54,7 @@ REJECTIONS = [
 ]
 # data / train fields (checked before the memory fields)
 REJECTIONS += [
-    ("seq_len_over_max", {"data.seq_len": 129}, "data.seq_len"),
+    ("seq_len_over_max", {"data.seq_len": 257}, "data.seq_len"),
     ("train_batch_zero", {"train.batch_size": 0}, "train.batch_size"),
     ("train_steps_negative", {"train.steps": -1}, "train.steps"),
     ("train_lr_negative", {"train.base_lr": -1e-3}, "train.base_lr"),
@@ -169,6 +169,18 @@ def test_shipped_configs_validate(spec, layers, enabled):
   assert bool(memory_layers(c)) == enabled
   if "runlocal" in spec:
     assert c.model.max_seq_len == 64
+
+
+def test_tiny_and_small_route_causally_the_paper_config_and_imports_as_mocpt():
+  """`tiny` and `small` default to the `routed` balance and causal `prefix` routing; base_config, the paper config
+  and an imported MoC-PT config keep MoC-PT's `mocpt` + `sequence` (parity with MoC-PT rests on them)."""
+  for name in ("tiny", "small"):
+    c = moc_jax.load_config(f"configs/moc.py:{name}")
+    assert (c.memory.load_balance, c.memory.routing, c.memory.routing_pool) == ("routed", "prefix", "mean"), name
+    assert routing_is_causal(c)
+  for c in (base_config(), moc_jax.load_config("configs/moc.py:262k"), moc_jax.load_config("configs/mocpt.py")):
+    assert (c.memory.load_balance, c.memory.routing, c.memory.routing_pool) == ("mocpt", "sequence", "mean")
+    assert not routing_is_causal(c)
 
 
 def _paper(**fields):

@@ -143,24 +143,24 @@ def test_vanilla_model_is_causal(vanilla_tiny):
   assert np.abs(a[:, t:] - b[:, t:]).max() > 1e-3
 
 
-def test_moc_sequence_routing_is_not_causal(moc_tiny):
+def test_moc_sequence_routing_is_not_causal(moc_tiny_mocpt_routing):
   """Documents MoC-PT's sequence router: the router pools the whole sequence, so a later token changes earlier logits.
 
   W_o of the memory attention is zero at init (the memory read is then a no-op), so it is randomised.
   """
-  model = nnx.clone(moc_tiny.model)
-  o = model.layers.blocks[moc_tiny.cfg.memory.layer_indices[0] % 2].memory.attn.o.kernel
+  model = nnx.clone(moc_tiny_mocpt_routing.model)
+  o = model.layers.blocks[moc_tiny_mocpt_routing.cfg.memory.layer_indices[0] % 2].memory.attn.o.kernel
   o.value = 0.05 * jax.random.normal(jax.random.key(0), o.value.shape)
   state = nnx.split(model)[1]
   rng = np.random.default_rng(7)
-  v = moc_tiny.cfg.model.vocab_size
+  v = moc_tiny_mocpt_routing.cfg.model.vocab_size
   ids = rng.integers(0, v, (2, 16))
   ids2 = ids.copy()
   ids2[:, -1] = (ids[:, -1] + 1) % v
-  a, b = (np.asarray(moc_tiny(x, state=state)[0]) for x in (ids, ids2))
+  a, b = (np.asarray(moc_tiny_mocpt_routing(x, state=state)[0]) for x in (ids, ids2))
   assert np.abs(a[:, 0] - b[:, 0]).max() > 1e-4
   # with the initial (zero) memory W_o the same change is invisible at position 0
-  a0, b0 = (np.asarray(moc_tiny(x)[0]) for x in (ids, ids2))
+  a0, b0 = (np.asarray(moc_tiny_mocpt_routing(x)[0]) for x in (ids, ids2))
   np.testing.assert_allclose(a0[:, 0], b0[:, 0], rtol=0, atol=1e-6)
 
 

@@ -97,11 +97,12 @@ def test_paper_model_params_carry_logical_axes(paper_cfg):
       assert names[0] == "layers" and var.shape[0] == 4, (path, names)
 
 
-def test_tiny_model_runs(moc_tiny):
-  cfg = moc_tiny.cfg
+def test_tiny_model_runs_with_mocpt_routing(moc_tiny_mocpt_routing):
+  """One decision per row and MoC-PT's router losses at init."""
+  cfg = moc_tiny_mocpt_routing.cfg
   rng = np.random.default_rng(0)
   ids = rng.integers(0, cfg.model.vocab_size, (2, 16))
-  logits, aux = moc_tiny(ids)
+  logits, aux = moc_tiny_mocpt_routing(ids)
   logits = np.asarray(logits)
   assert logits.shape == (2, 16, cfg.model.vocab_size) and np.isfinite(logits).all()
   n_mem, s, k = 2, cfg.memory.num_shared, cfg.memory.top_k

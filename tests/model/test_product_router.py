@@ -20,11 +20,11 @@ from moc_jax.model.routing import GridLogits, Router, grid_route, grid_router_lo
 TINY = "configs/moc.py:tiny"
 
 
-def _config(chapters, shared, router="product"):
+def _config(chapters, shared, router="product", overrides=None):
   return moc_jax.load_config(TINY, {"memory.num_chapters": chapters, "memory.num_tokens": chapters * 16,
                                     "memory.num_shared": shared, "memory.router": router,
                                     "memory.top_k": min(8, chapters - shared),
-                                    "model.compute_dtype": "float32"})
+                                    "model.compute_dtype": "float32", **(overrides or {})})
 
 
 @pytest.mark.parametrize("routable, want", [(64, (8, 8)), (65, (9, 8)), (2, (2, 1)), (131071, (363, 362))])
@@ -182,7 +182,8 @@ def test_parameter_count_by_hand():
 def test_flops_by_hand():
   """Sequence routing, B = 1, s = 1, R = 65 on a 9 x 8 grid (8 full rows, 1 chapter in the last), k = 8: the
   factored path the train step runs, counted by hand; the statistics never touch a C-sized softmax."""
-  router = flops.estimate(_config(66, 1), 1, 128)["memory_layer"]["memory"]
+  sequence = {"memory.routing": "sequence"}
+  router = flops.estimate(_config(66, 1, overrides=sequence), 1, 128)["memory_layer"]["memory"]
   assert router["router"] == {
       "total": 8_192 + 2_304 + 244 + 65 + 48,
       "pool": 64 * 127 + 64, "linear": 2 * 64 * (1 + 9 + 8),
@@ -194,11 +195,10 @@ def test_flops_by_hand():
       "normaliser": 5 * (1 + 2 * 9 + 2 * 8), "p_squared": 2 * 9 * 8, "p_squared_scale": 19 + 8 + 72 + 1,
       "mse": 2 * 66 + 65 + 1, "z": 2, "entropy": 4 * (1 + 9 + 8)}
   # with the aux-free bias the choice expands the grid and takes the top k of every chapter
-  aux_free = moc_jax.load_config(TINY, {"memory.num_chapters": 66, "memory.num_tokens": 66 * 16,
-                                        "memory.router": "product", "memory.load_balance": "aux_free"})
+  aux_free = _config(66, 1, overrides={**sequence, "memory.load_balance": "aux_free"})
   choice = flops.estimate(aux_free, 1, 128)["memory_layer"]["memory"]["router"]
   assert (choice["grid"], choice["top_k"]) == (9 * 8, 66 * 3) and "candidates" not in choice
-  linear = flops.estimate(_config(66, 1, "linear"), 1, 128)["memory_layer"]["memory"]["router"]
+  linear = flops.estimate(_config(66, 1, "linear", sequence), 1, 128)["memory_layer"]["memory"]["router"]
   assert "grid" not in linear and linear["linear"] == 2 * 64 * 66
 
 

@@ -195,7 +195,7 @@ MESHES = {  # memory8: `auto` reads round the ring; the other: scatter, with the
     "data2_memory4@token": {"mesh.data": 2, "mesh.memory": 4, "memory.routing": "token"},
 }
 SHARDED_BASE = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 16,
-                "memory.top_k": 4}
+                "memory.top_k": 4, "memory.routing": "sequence"}  # one read per row unless a mesh names another
 
 
 def _sharded_logits(overrides, params, ids, mask, devices):

@@ -61,7 +61,7 @@ def test_causal_modes_leave_the_past_exactly_unchanged(routing):
 
 
 def test_sequence_routing_leaks_the_future_and_the_probe_sees_it():
-  result = causality.probe(_cfg(), length=32, seed=_seed())
+  result = causality.probe(_cfg(**{"memory.routing": "sequence"}), length=32, seed=_seed())
   assert not result["causal_by_design"]
   assert result["max_change_all"] > 0.0, result  # documented leak (a causal model gives exactly 0.0)
 
@@ -135,7 +135,7 @@ def test_bad_routing_fields_are_rejected_by_name(overrides, field):
 
 
 def test_training_log_states_whether_the_run_is_causal():
-  assert "NOT causal" in routing_statement(_cfg())
+  assert "NOT causal" in routing_statement(_cfg(**{"memory.routing": "sequence"}))
   for routing in ("token", "prefix", "chunk"):
     line = routing_statement(_cfg(**{"memory.routing": routing}))
     assert "causal" in line and "NOT" not in line and routing in line

@@ -36,8 +36,9 @@ MESHES = {  # name -> (config.mesh overrides, extra rule overrides)
     "memory8_scatter": {"mesh.data": 1, "mesh.memory": 8, "memory.sharded_read": "scatter"},
     "data2_memory4_ring": {"mesh.data": 2, "mesh.memory": 4, "memory.sharded_read": "ring"},
 }
+# `sequence` routing (one read per row: the ring and scatter strategies) unless a mesh names another
 BASE = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 16,
-        "memory.top_k": 4}
+        "memory.top_k": 4, "memory.routing": "sequence"}
 
 
 def config_for(name, extra=None):

@@ -119,8 +119,11 @@ def test_checkpoint_saved_on_one_mesh_restores_on_others_and_one_device(tmp_path
 
 
 def test_compile_mode_reports_a_sharded_bank_and_no_whole_bank_gather():
+  """`sequence` routing, whose reads bring a row's chapters from their shards: no all-gather comes near the bank
+  (per-position routing all-gathers the queries instead, [B, L, H, dh], larger than tiny's bank)."""
   rows = run_json(["-m", "moc_jax.main", "--config=configs/moc.py:tiny", "--mode=compile",
-                   "--config.num_fake_devices=8", "--config.mesh.data=2", "--config.mesh.memory=4"])
+                   "--config.num_fake_devices=8", "--config.mesh.data=2", "--config.mesh.memory=4",
+                   "--config.memory.routing=sequence"])
   (r,) = rows
   assert r["devices"] == 8 and r["mesh"]["memory"] == 4
   assert r["bank"]["padded_shape"] == [1, 68, 16, 64] and r["bank"]["shard_shape"] == [1, 17, 16, 64]

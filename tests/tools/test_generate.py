@@ -244,7 +244,7 @@ def test_cli_generates_from_a_freshly_trained_run(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("The city of") and len(proc.stdout) > len("The city of\n")
   summary = json.loads(proc.stderr.strip().splitlines()[-1])
-  assert summary["step"] == 2 and summary["routing"] == "sequence" and 1 <= summary["new_tokens"][0] <= 8
+  assert summary["step"] == 2 and summary["routing"] == "prefix" and 1 <= summary["new_tokens"][0] <= 8  # tiny: causal
   proc = _cli([f"--workdir={workdir}", "--prompt", "A", "--prompt", "The city of", "--max_new_tokens=4",
                "--temperature=0.8", "--top_p=0.9", "--seed=3", "--routing=hybrid", "--step=2",
                "--config.memory.routing_window=2"])

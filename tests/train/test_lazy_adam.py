@@ -209,8 +209,10 @@ def test_config_refuses_lazy_adam_with_a_frozen_bank_or_without_memory():
 
 # --- the real jitted train step ------------------------------------------------------------------------------
 
+# `sequence` routing: one decision per row, so `probe` reads the chapters named off aux["chapters"] [layers, B, S]
 STEP = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "train.grad_accum": 2,
-        "train.warmup_steps": 1, "memory.sharing": "per_layer", "train.bank_optimizer": "lazy_adam"}
+        "train.warmup_steps": 1, "memory.sharing": "per_layer", "train.bank_optimizer": "lazy_adam",
+        "memory.routing": "sequence"}
 STEPS = 3
 
 

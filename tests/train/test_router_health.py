@@ -40,7 +40,7 @@ def test_router_window_sums_the_window_and_warns_once_per_layer(caplog):
 
 
 def test_eval_usage_averages_router_statistics_and_reads_the_bias_spread():
-  config = moc_jax.load_config("configs/moc.py:tiny", {"memory.load_balance": "aux_free"})
+  config = moc_jax.load_config("configs/moc.py:tiny", {"memory.load_balance": "aux_free", "memory.routing": "sequence"})
   usage = Usage(config)
   chapters = np.tile(np.arange(9), (2, 3, 1))  # [n_mem, B, 1 + 8] (sequence routing)
   for mass in (0.2, 0.4):
