@@ -41,13 +41,15 @@ def _small(c):
 def _tiny(c):
   _balanced_causal(c)
   c.model.update(vocab_size=260, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                 mlp_dim=192, max_seq_len=128)
+                 mlp_dim=192, max_seq_len=256)
   c.memory.update(num_tokens=65 * 16, num_chapters=65, num_shared=1, top_k=8,
                   num_heads=4, num_kv_heads=4, layer_indices=(1, 3))
-  c.data.seq_len = 128
-  # `make run`: the embedded facts corpus, sized so recall is measurable within minutes on 2 CPU cores.
+  # `make run`: the embedded facts corpus, sized so recall is measurable within minutes on 2 CPU cores. Its
+  # documents run to 218 tokens with their EOS (134 on average), so 256-token rows of whole documents cut no fact
+  # in two (tests/data/test_tiny_rows.py); 16 rows a step keep the 4,096 token slots of 32 packed 128-token rows.
+  c.data.update(seq_len=256, layout="pack_whole")
   c.data.facts.update(num_entities=64, num_docs=8000, num_val_docs=400)
-  c.train.update(batch_size=32, steps=900, warmup_steps=30, decay_start_ratio=0.8, base_lr=3e-3,
+  c.train.update(batch_size=16, steps=900, warmup_steps=30, decay_start_ratio=0.8, base_lr=3e-3,
                  memory_lr=3e-3, log_every=25, eval_every=150, eval_batches=8, checkpoint_every=300)
   return c
 

@@ -92,7 +92,7 @@ def test_param_counts_paper():
 
 def test_tiny_standard_layer_by_hand():
   """configs/moc.py:tiny (d 64, 4/2 heads, SwiGLU 192, vocab 260), one 128-token sequence."""
-  e = flops.estimate(moc_jax.load_config("configs/moc.py:tiny"))
+  e = flops.estimate(moc_jax.load_config("configs/moc.py:tiny"), 1, 128)
   t, d, kv, f = 128, 64, 32, 192
   attention = 2 * (2 * t * d * d) + 2 * (2 * t * d * kv) + 4 * t * t * d + (5 + 2) * 4 * t * t
   layer = attention + 3 * t * (d + kv) + 2 * t * (4 * d + 4) + 3 * (2 * t * d * f) + 5 * t * f + 2 * t * d
