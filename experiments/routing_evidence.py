@@ -27,22 +27,19 @@ the points it names (e.g. one budget of stage `budget`).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import json
 import math
 import os
 import re
-import subprocess
-import sys
-import threading
 import time
 
 from absl import flags
 
 from experiments import harness
+from experiments.evaluation import EVAL_TIME, eval_seconds, evaluate_runs
 from experiments.sweeps import report
-from experiments.sweeps.launch import run_to_completion, stop_signals, wait_all
+from experiments.sweeps.launch import run_to_completion
 from experiments.sweeps.plan import is_moc, plan, resolve, same_run
 from experiments.sweeps.runs import MANIFEST, finished, read_manifest
 from moc_jax import cli
@@ -64,7 +61,6 @@ SIZES = {
 ARMS_STEPS = 0.5  # stages arms and bank train for this share of the config's steps (budget's shortest point)
 GOAL_Z = 2.0  # MoC's recall must beat the iso-FLOP vanilla's by this many combined standard errors
 GOAL_READ, GOAL_LOAD = 0.9, 3.0  # chapters read over an evaluation, max / mean load
-EVAL_TIME = "eval_time.json"  # in a run's workdir: how long the harness's evaluation of it took
 REUSED = "reused.json"  # in a run's workdir: the earlier stage's identical run it was copied from
 
 
@@ -95,59 +91,6 @@ def _plan(spec, stage, size, arm=None):
   return [p for p in points if p.config.seed in size["seeds"]]
 
 
-def _evaluate(runs, parallel):
-  """`python -m moc_jax.eval` on each run (`runs`: (workdir, is MoC) pairs) not yet evaluated, `parallel` at a
-  time (log: eval.log): a MoC run also with every routable chapter zeroed (`--ablate_chapters=routed`: the
-  recall the bank holds), so one whose eval.json has no ablation (written before the harness asked for one) is
-  evaluated again; a vanilla run once, for its recall by the entity's training documents. Ctrl-C or SIGTERM
-  stops the running evaluations and the harness; the same command evaluates them again."""
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-  lock, running, stopping = threading.Lock(), set(), threading.Event()
-
-  def one(run):
-    workdir, moc = run
-    t0 = time.time()
-    with open(os.path.join(workdir, "eval.log"), "w") as log:
-      command = [sys.executable, "-m", "moc_jax.eval", f"--workdir={workdir}"]
-      command += ["--ablate_chapters=routed"] if moc else []
-      with lock:
-        if stopping.is_set():
-          return workdir, None
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        running.add(proc)
-      rc = proc.wait()
-      with lock:
-        running.discard(proc)
-    if not rc:
-      with open(os.path.join(workdir, EVAL_TIME), "w") as f:
-        json.dump({"seconds": round(time.time() - t0, 1)}, f)
-    return workdir, rc
-
-  def evaluated(workdir, moc):
-    found = report.eval_report(workdir)
-    return "ablation" in found if moc else bool(found)
-
-  todo = [(w, moc) for w, moc in runs if not evaluated(w, moc)]
-  with stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-    futures = []
-    try:  # the signal may come while the evaluations are being submitted
-      for run in todo:
-        futures.append(pool.submit(one, run))
-      wait_all(futures)
-    except KeyboardInterrupt:
-      with lock:
-        stopping.set()
-        for proc in running:
-          proc.terminate()
-      concurrent.futures.wait(futures)
-      raise SystemExit("routing_evidence: interrupted; the evaluations that had not finished run again when the "
-                       "same command is re-run") from None
-  failed = [w for w, rc in (f.result() for f in futures) if rc]
-  if failed:
-    raise SystemExit(f"routing_evidence: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
-                     "re-run the same command")
-
-
 def _groups(stage_dir) -> list[dict]:
   """The stage's points across seeds (report.seed_groups), each with its overrides (without the seed)."""
   rows = report.run_rows(stage_dir)
@@ -172,11 +115,11 @@ def stage_results(out, spec, stage, size, parallel, arm=None, run=True, earlier=
     dirs = [os.path.join(stage_dir, p.name) for p in todo]
     _reuse(todo, dirs, earlier)
     run_to_completion(stage_dir, spec, SWEEP_OF[stage], todo, parallel, "routing_evidence")
-    _evaluate([(w, is_moc(p.config)) for p, w in zip(todo, dirs)], parallel)
+    evaluate_runs([(w, is_moc(p.config)) for p, w in zip(todo, dirs)], parallel, "routing_evidence")
   report.collect(stage_dir)
   wall = sum(e.get("wall_s", 0.0) for e in read_manifest(stage_dir) if e["name"] in {p.name for p in points})
   done = [(p.config, w) for w, p in zip(workdirs, points) if finished(w, p.config.train.steps)]
-  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(_eval_seconds, workdirs)), "run": run,
+  return {"groups": _groups(stage_dir), "wall_s": wall, "eval_s": sum(map(eval_seconds, workdirs)), "run": run,
           "done": len(done), "points": len(points), "finished": done,
           "reused": sum(os.path.exists(os.path.join(w, REUSED)) for w in workdirs)}
 
@@ -198,15 +141,6 @@ def _reuse(points, workdirs, earlier) -> None:
       json.dump({"from": source}, f)
     os.rename(workdir + ".partial", workdir)  # a copy cut short never looks like a run
     print(f"routing_evidence: {workdir} is the same run as {source}: copied, not trained again", flush=True)
-
-
-def _eval_seconds(workdir) -> float:
-  """How long the run's evaluation took, whichever invocation of the harness ran it (0 if unrecorded)."""
-  try:
-    with open(os.path.join(workdir, EVAL_TIME)) as f:
-      return json.load(f)["seconds"]
-  except FileNotFoundError:
-    return 0.0
 
 
 # ---- the evidence ---------------------------------------------------------------------------------------

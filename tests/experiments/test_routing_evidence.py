@@ -3,13 +3,11 @@ errors and each goal met or not, on hand-made seed groups. The harness end to en
 (`python -m experiments.routing_evidence --quick`, .ci/run)."""
 import json
 import math
-import os
-import signal
-import threading
 
 import pytest
 
 from experiments import routing_evidence as evidence
+from experiments.evaluation import EVAL_TIME
 from experiments.sweeps.plan import Point, resolve
 from moc_jax.errors import UsageError
 
@@ -97,72 +95,6 @@ def test_recall_held_by_the_bank_per_budget():
   assert evidence.held_by_bank(budget[1::2]) == []  # no MoC point was ablated
 
 
-def _fake_eval(commands, rc=None, running=1):
-  """subprocess.Popen for `python -m moc_jax.eval`: records each command; exits with `rc`, or (rc None) runs until
-  terminated, then exits as SIGTERM leaves it. `started` is set once `running` have started."""
-  class Eval:
-    started = threading.Event()
-
-    def __init__(self, command, **kw):
-      commands.append(command)
-      self.terminated = threading.Event()
-      if len(commands) >= running:
-        Eval.started.set()
-
-    def wait(self):
-      if rc is not None:
-        return rc
-      assert self.terminated.wait(60), "never terminated"
-      return -signal.SIGTERM
-
-    def terminate(self):
-      self.terminated.set()
-  return Eval
-
-
-def test_sigterm_stops_the_evaluations_and_the_harness(tmp_path, monkeypatch):
-  """SIGTERM (or Ctrl-C) while evaluations run terminates them and ends the harness with one line; nothing counts
-  them as evaluated, so the same command evaluates them again, and the signal handlers are restored."""
-  runs = [tmp_path / name for name in ("a", "b", "c")]
-  for run in runs:
-    run.mkdir()
-  commands = []
-  fake = _fake_eval(commands, running=2)
-  monkeypatch.setattr(evidence.subprocess, "Popen", fake)
-  handler = signal.getsignal(signal.SIGTERM)
-  threading.Thread(target=lambda: fake.started.wait(60) and os.kill(os.getpid(), signal.SIGTERM)).start()
-  with pytest.raises(SystemExit, match="interrupted; the evaluations that had not finished run again"):
-    evidence._evaluate([(str(r), True) for r in runs], 2)
-  assert len(commands) == 2  # the third never started
-  assert not any((r / evidence.EVAL_TIME).exists() for r in runs)
-  assert signal.getsignal(signal.SIGTERM) is handler
-
-
-def test_evaluates_runs_without_an_ablated_eval_json(tmp_path, monkeypatch):
-  """A MoC run is evaluated unless its eval.json already has the bank knocked out, and the command asks for it;
-  a vanilla run is evaluated once, without an ablation."""
-  runs = {name: tmp_path / name for name in ("new", "old", "done", "dense-new", "dense-done")}
-  for run in runs.values():
-    run.mkdir()
-  (runs["old"] / "eval.json").write_text(json.dumps({"ce": 1.0}))
-  (runs["done"] / "eval.json").write_text(json.dumps({"ce": 1.0, "ablation": {"spec": "routed"}}))
-  (runs["dense-done"] / "eval.json").write_text(json.dumps({"ce": 1.0}))
-  commands = []
-  monkeypatch.setattr(evidence.subprocess, "Popen", _fake_eval(commands, rc=0))
-  evidence._evaluate([(str(r), not name.startswith("dense")) for name, r in runs.items()], 1)
-  assert [c[3:] for c in commands] == [[f"--workdir={runs['new']}", "--ablate_chapters=routed"],
-                                       [f"--workdir={runs['old']}", "--ablate_chapters=routed"],
-                                       [f"--workdir={runs['dense-new']}"]]
-  # Each evaluation's time is kept beside it, so a resumed harness still counts it; a failed one is not kept.
-  assert [evidence._eval_seconds(str(r)) >= 0 and (r / evidence.EVAL_TIME).exists() for r in runs.values()] == [
-      True, True, False, True, False]
-  monkeypatch.setattr(evidence.subprocess, "Popen", _fake_eval([], rc=1))
-  (runs["new"] / evidence.EVAL_TIME).unlink()
-  with pytest.raises(SystemExit, match="evaluation of 1 run"):
-    evidence._evaluate([(str(runs["new"]), True)], 1)
-  assert evidence._eval_seconds(str(runs["new"])) == 0.0
-
-
 def test_evidence_lists_the_budget_stage_recall_by_entity_documents():
   """evidence.md shows MoC's and the vanilla's recall per bucket of the entity's training documents, budget stage."""
   budget = _budget(0.60, 0.01, 0.55, 0.015, 900)
@@ -212,7 +144,7 @@ def test_a_point_an_earlier_stage_already_trained_is_copied_not_trained_again(tm
   config_of = lambda **o: resolve("configs/moc.py:tiny", {"train.steps": 450, **o})
   source = tmp_path / "arms" / "routed-prefix-seed0"
   source.mkdir(parents=True)
-  for name, text in {"metrics.jsonl": "{}\n", "eval.json": "{}", evidence.EVAL_TIME: "{}", ".lock": "1"}.items():
+  for name, text in {"metrics.jsonl": "{}\n", "eval.json": "{}", EVAL_TIME: "{}", ".lock": "1"}.items():
     (source / name).write_text(text)
   earlier = [(config_of(**{"train.eval_every": 450}), str(source))]
   points = [Point(name, {}, config_of(**o)) for name, o in (
