@@ -25,6 +25,7 @@ import dataclasses
 import json
 
 from moc_jax.config import bank_ids, memory_layers, router_factors
+from moc_jax.model.product_keys import product_candidates
 
 SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
 MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
@@ -154,21 +155,26 @@ def grid_router_aux(n, s, a, b, routable, k):
   }
 
 
+def _product_search(n, a, b, cells, k):
+  """`product_keys.product_top_k` over n queries of an a x b grid's first `cells` cells (our count): the top k of
+  the full rows, of the columns and of a partial last row's cells, the row + column sums of those candidates and
+  the top k of them, then the chosen values' sums and their softmax."""
+  full, kr, kc, partial, kp = product_candidates(a, b, cells, k)
+  candidates = kr * kc + kp
+  firsts = (top_k(n, full, kr).count + top_k(n, b, kc).count if full else 0) + (
+      top_k(n, partial, kp).count if partial else 0)
+  return {"top_k": Flops(firsts + top_k(n, candidates, k).count), "candidates": Flops(n * candidates),
+          "weights": Flops(n * k + SOFTMAX * n * k)}
+
+
 def _grid_choice(mem, n, a, b):
-  """The product router's top-k over n decisions (`routing.grid_route`; our count): the top k of the full rows,
-  of the columns and of the last row's cells, the row + column sums of those candidates and the top k of them,
-  then the chosen logits' softmax. With the aux-free bias the choice expands the grid and takes the top k of
-  every chapter."""
-  k, routable = mem.top_k, mem.num_chapters - mem.num_shared
-  weights = {"weights": Flops(n * k + SOFTMAX * n * k)}
+  """The product router's top-k over n decisions (`routing.grid_route`; our count): `_product_search`. With the
+  aux-free bias the choice expands the grid and takes the top k of every chapter."""
+  k = mem.top_k
   if mem.load_balance == "aux_free":
-    return {"grid": Flops(n * a * b), "top_k": top_k(n, mem.num_chapters, k), **weights}
-  full, last = a - 1, routable - (a - 1) * b
-  kr, kc, kl = min(k, full), min(k, b), min(k, last)
-  firsts = top_k(n, full, kr).count + top_k(n, b, kc).count if full else 0
-  candidates = (kr * kc if full else 0) + kl
-  return {"top_k": Flops(firsts + top_k(n, last, kl).count + top_k(n, candidates, k).count),
-          "candidates": Flops(n * candidates), **weights}
+    return {"grid": Flops(n * a * b), "top_k": top_k(n, mem.num_chapters, k),
+            "weights": Flops(n * k + SOFTMAX * n * k)}
+  return _product_search(n, a, b, mem.num_chapters - mem.num_shared, k)
 
 
 def _pool_weights(t, d):

@@ -34,6 +34,18 @@ def rms_normalize(x, eps):
   return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
+def normalize_tokens(x, kind, eps):
+  """Parameter-free normalisation over the last axis, in float32: `rms`, `layernorm` or `none` (MoC-PT's
+  preprocessing of the selected memory tokens; the product keys' optional query norm)."""
+  if kind == "rms":
+    return rms_normalize(x, eps)
+  if kind == "layernorm":
+    x = x.astype(jnp.float32)
+    mu = jnp.mean(x, axis=-1, keepdims=True)
+    return (x - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True) + eps)
+  return x
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float):
     self.eps = eps

@@ -30,7 +30,7 @@ from flax import nnx
 
 from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
-from moc_jax.model.layers import attention, dense, param_init, rms_normalize, RMSNorm
+from moc_jax.model.layers import attention, dense, normalize_tokens, param_init, RMSNorm
 from moc_jax.model.quantize import dequantize
 from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, grid_route, grid_router_losses,
                                    mix_weights, per_position, pool_share, resolve_decode_routing, route,
@@ -89,17 +89,6 @@ def rows_in_use(bank, ids, num_shared):
   used, inverse = jnp.unique(flat, size=k, fill_value=c, return_inverse=True)
   rows = bank.bank.take(used, axis=0, mode="fill", fill_value=0) + bank.delta.astype(bank.bank.dtype)
   return rows, inverse.reshape(-1)[num_shared:].reshape(ids.shape).astype(ids.dtype), used
-
-
-def normalize_tokens(x, kind, eps):
-  """Parameter-free per-token normalisation of the selected memory tokens (MoC-PT's memory preprocessing)."""
-  if kind == "rms":
-    return rms_normalize(x, eps)
-  if kind == "layernorm":
-    x = x.astype(jnp.float32)
-    mu = jnp.mean(x, axis=-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mu), axis=-1, keepdims=True) + eps)
-  return x
 
 
 class MemoryCrossAttention(nnx.Module):

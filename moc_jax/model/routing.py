@@ -17,6 +17,7 @@ from flax import nnx
 from moc_jax.config import router_factors
 from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.layers import dense, rms_normalize
+from moc_jax.model.product_keys import product_top_k
 
 
 def resolve_decode_routing(mem):
@@ -121,29 +122,14 @@ class GridLogits(NamedTuple):
 
 def grid_route(g: GridLogits, top_k, bias=None):
   """`route` on grid logits -> (routed ids [..., k] in chapter space, routed weights [..., k]), bit for bit what
-  `route(g.dense(), ...)` returns, from O(k^2) candidates: a chapter in the top k lies in its row's top k and its
-  column's, among rows with the same cells (the full rows; the last row alone), so the top-k rows of the full ones
-  times the top-k columns, plus the last row's top-k cells, hold the answer. Ties go to the lower chapter, as in
-  `lax.top_k`. With the aux-free bias (one value per chapter, no factors) the choice needs the expanded logits."""
-  s, a, b = g.shared.shape[-1], g.rows.shape[-1], g.cols.shape[-1]
+  `route(g.dense(), ...)` returns, from O(k^2) candidates (`product_keys.product_top_k`: the top-k rows times the
+  top-k columns, plus a partial last row's top-k cells). Ties go to the lower chapter, as in `lax.top_k`. With the
+  aux-free bias (one value per chapter, no factors) the choice needs the expanded logits."""
+  s = g.shared.shape[-1]
   if bias is not None:
     _, ids, weights = route(g.dense(), s, top_k, bias)
     return ids, weights
-  full, last = a - 1, g.last_row
-  vals, ids = [], []
-  if full:
-    row_v, row_i = jax.lax.top_k(g.rows[..., :full], min(top_k, full))
-    col_v, col_i = jax.lax.top_k(g.cols, min(top_k, b))
-    vals.append((row_v[..., :, None] + col_v[..., None, :]).reshape(row_v.shape[:-1] + (-1,)))
-    ids.append((row_i[..., :, None] * b + col_i[..., None, :]).reshape(row_i.shape[:-1] + (-1,)))
-  last_v, last_i = jax.lax.top_k(g.cols[..., :last], min(top_k, last))
-  vals.append(g.rows[..., full:] + last_v)
-  ids.append(full * b + last_i)
-  vals, ids = jax.lax.stop_gradient(jnp.concatenate(vals, -1)), jnp.concatenate(ids, -1)
-  _, top_idx = jax.lax.sort((-vals, ids), dimension=vals.ndim - 1, num_keys=2)  # by value, then by chapter
-  top_idx = top_idx[..., :top_k]
-  top_logits = (jnp.take_along_axis(g.rows, top_idx // b, axis=-1)
-                + jnp.take_along_axis(g.cols, top_idx % b, axis=-1))
+  top_idx, top_logits = product_top_k(g.rows, g.cols, top_k, g.routable)
   return top_idx + s, jax.nn.softmax(top_logits, axis=-1)
 
 
