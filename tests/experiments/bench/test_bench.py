@@ -17,7 +17,8 @@ from experiments.bench import (
   train_mfu,
   xla_vs_analytic,
 )
-from moc_jax import cli
+import moc_jax
+from moc_jax import cli, flops
 from moc_jax.train import peaks
 
 TINY = "configs/moc.py:tiny"
@@ -68,9 +69,18 @@ def test_moc_vs_vanilla(capsys):
 
 
 def test_iso_vanilla_baseline():
+  """The iso-FLOP vanilla of tiny is the depth whose training FLOPs per micro-step are nearest MoC tiny's, found
+  here by trying every depth up to 16."""
   assert moc_vs_vanilla.iso_vanilla("configs/moc.py:small") == "configs/vanilla.py:iso=small"
   config, note = common.load(moc_vs_vanilla.iso_vanilla(TINY))
-  assert config.model.num_layers == 5 and note.startswith("configs/vanilla.py:iso=tiny: 5 layers")
+  goal = flops.estimate(moc_jax.load_config(TINY))["train"]["micro_step"]
+
+  def miss(layers):
+    vanilla = moc_jax.load_config("configs/vanilla.py:tiny", {"model.num_layers": layers})
+    return abs(flops.estimate(vanilla)["train"]["micro_step"] - goal)
+
+  layers = min(range(1, 17), key=miss)
+  assert config.model.num_layers == layers and note.startswith(f"configs/vanilla.py:iso=tiny: {layers} layers")
 
 
 @pytest.mark.slow

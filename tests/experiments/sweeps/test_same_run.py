@@ -10,7 +10,7 @@ from tests.train import train_utils as tu
 
 SPEC = "configs/moc.py:tiny"
 NO_MEMORY = {"memory.enabled": False, "memory.placement": "none", "model.mlp_dim": 288}
-ARM = {"memory.load_balance": "routed", "memory.routing": "prefix"}
+ARM = {"memory.load_balance": "mocpt", "memory.routing": "sequence"}  # not tiny's own routing
 
 
 def config_of(**overrides):
@@ -20,7 +20,7 @@ def config_of(**overrides):
 @pytest.mark.parametrize("a, b, same", [
     ({"train__eval_every": 450}, {"train__eval_every": 1800}, True),  # both evaluate at 0 and at the end only
     ({"train__eval_every": 150}, {"train__eval_every": 1800}, False),  # one evaluates midway
-    ({}, {"memory__load_balance": "routed"}, False),
+    ({}, {"memory__load_balance": "mocpt"}, False),
     ({}, {"seed": 1}, False),
     ({"train__steps": 450}, {"train__steps": 900}, False),
 ])
