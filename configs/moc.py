@@ -3,7 +3,8 @@
 NAME: `262k` (the paper model, MoC-PT base_small_run2 / run5, with MoC-PT's routing), `small` and `tiny` (CPU work,
 routed causally with a balance term over the routable chapters: `_balanced_causal`).
 Sweeps of any of them (`get_sweep` below: topk, bank, topk_bank, iso_flop, demo, routing, bank_seeds, bank_scale,
-budget, bank_lr) run through launch/sweep.py.
+budget, bank_lr, kinds) run through launch/sweep.py. `--config.memory.kind=pkm | hml` swaps the chapter memory for
+product-key memory at each config's sizes (`pkm_*` fields below; the 262k config keeps Memory+'s 1024^2 slots).
 """
 from moc_jax.config import schema
 
@@ -34,6 +35,7 @@ def _small(c):
                  mlp_dim=768, max_seq_len=256)
   c.memory.update(num_tokens=257 * 32, num_chapters=257, num_shared=1, top_k=16,
                   num_heads=8, num_kv_heads=8, layer_indices=(1, 3, 5, 7))
+  c.memory.update(pkm_sub_keys=128, pkm_top_k=16, pkm_key_dim=128)  # memory.kind=pkm | hml: 16,384 slots
   c.data.seq_len = 256
   return c
 
@@ -44,6 +46,7 @@ def _tiny(c):
                  mlp_dim=192, max_seq_len=256)
   c.memory.update(num_tokens=65 * 16, num_chapters=65, num_shared=1, top_k=8,
                   num_heads=4, num_kv_heads=4, layer_indices=(1, 3))
+  c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_key_dim=64)  # memory.kind=pkm | hml: 4,096 slots, 4 heads
   # `make run`: the embedded facts corpus, sized so recall is measurable within minutes on 2 CPU cores. Its
   # documents run to 218 tokens with their EOS (134 on average), so 256-token rows of whole documents cut no fact
   # in two (tests/data/test_tiny_rows.py); 16 rows a step keep the 4,096 token slots of 32 packed 128-token rows.
@@ -239,9 +242,15 @@ def _retention_finetune(c):
                   "train.bank_lr": lr}])
 
 
+def _kinds(c):
+  """Every memory.kind at the config's sizes and the backbone without memory, once per seed: which memory the
+  same placement, trainer and budget reward (docs/model.md#memory-kinds)."""
+  return _seeds([*({"memory.kind": kind} for kind in schema.MEMORY_KINDS), NO_MEMORY])
+
+
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
           "routing": _routing, "bank_seeds": _bank_seeds, "bank_scale": _bank_scale, "budget": _budget,
-          "bank_lr": _bank_lr,
+          "bank_lr": _bank_lr, "kinds": _kinds,
           "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
 
 

@@ -6,7 +6,9 @@ machine can be checked before it meets one. The report is one JSON line:
   params_bytes / opt_state_bytes   per device, from the shardings
   xla                              `memory_analysis()` of the compiled step (temporaries included; host_*: the
                                    arrays in host memory, e.g. train.bank_state_memory=pinned_host)
-  bank                             padded shape, per-device shard shape and bytes, one full fp32 copy
+  bank                             padded shape, per-device shard shape and bytes, one full fp32 copy (the
+                                   chapter bank, or the value table of memory.kind pkm / hml; padded_chapters:
+                                   the rows added for sharding, chapters or slots)
   largest_all_gather               the biggest all-gather result in the optimized HLO (bytes, shape):
                                    proof that the bank is never gathered whole
   flops_per_device                 `cost_analysis()` (XLA counts a scanned body once)
@@ -77,8 +79,9 @@ def report(config) -> dict:
   }
   if "bank" in layout.abstract["params"]:
     bank = layout.abstract["params"]["bank"]["memory"]
-    real = (bank.shape[0], config.memory.num_chapters, *bank.shape[2:])
-    out["bank"] = {"padded_shape": list(bank.shape), "shard_shape": list(bank.sharding.shard_shape(bank.shape)),
+    real = (bank.shape[0], layout.padding.real, *bank.shape[2:])
+    out["bank"] = {"kind": config.memory.kind, "padded_shape": list(bank.shape),
+                   "shard_shape": list(bank.sharding.shard_shape(bank.shape)),
                    "shard_bytes": sharding.shard_bytes([bank]), "full_copy_bytes": int(np.prod(real)) * 4,
                    "padded_chapters": layout.padding.padded - layout.padding.real}
   return out

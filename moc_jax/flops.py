@@ -17,6 +17,10 @@ Rules its counting (docs/mocpt_semantics.md#flops-counting-rules) leaves open, f
   13,086,228,480, the value the published memory-attention total 25,674,645,504 implies (the sub-part as published
   prints, 13,086,351,360, is 122,880 off and does not add up to that total).
 
+The product-key kinds (memory.kind pkm, hml) are not MoC-PT's and are counted by the same per-element rules
+(`_pkm_extra`, `_hml_extra`): a query's half scores its n sub-keys (a matmul), the top-k search counts as the
+product router's, and reading k value rows of width d_v costs 2*k*d_v per query head.
+
 `python -m moc_jax.flops --config=configs/moc.py:262k [--batch=B] [--seq_len=L] [--json] [--config.x=y]`
 """
 from __future__ import annotations
@@ -218,7 +222,8 @@ def _memory_extra(c, b, l):
 
   Per-position routing normalises and projects the whole bank once per call (shared by the `b`
   rows), then every position attends its own chapters; the chapter weights scale scores and
-  probabilities instead of memory tokens."""
+  probabilities instead of memory tokens. Token routing reads the shared chapters by an attention of their own,
+  which normalises and projects their tokens once more for each row."""
   m, mem = c.model, c.memory
   t, d = b * l, m.d_model
   d_mem = mem.dim or d
@@ -239,6 +244,10 @@ def _memory_extra(c, b, l):
     attention = {"q": linear(t, d, d), "k": linear(bank_tokens, d_mem, kv_dim), "v": linear(bank_tokens, d_mem, kv_dim),
                  "o": linear(t, d, d), "scores": attention_matmuls(b, l, selected_tokens(c), d),
                  "softmax": score_elementwise(b, mem.num_heads, l, selected_tokens(c))}
+    if mem.routing == "token" and mem.num_shared:  # the shared chapters' own attention normalises and projects
+      shared = b * mem.num_shared * (mem.num_tokens // mem.num_chapters)  # their tokens again, once per row
+      preprocessing["shared_token_norm"] = norm(shared, d_mem)
+      attention.update(shared_k=linear(shared, d_mem, kv_dim), shared_v=linear(shared, d_mem, kv_dim))
   extra = {
       "router": router,
       "router_aux": aux,
@@ -251,6 +260,61 @@ def _memory_extra(c, b, l):
     extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim),
                  post_memory_residual=per_element(t, d))
   return extra
+
+
+def _product_lookup(c, queries, dim, value_dim):
+  """Product keys of `queries` query heads of width `dim` (model/product_keys.py; our count): the optional
+  parameter-free norm of each half, each half's scores against its n sub-keys, the search, and the read of the
+  k value rows (a multiply and an add per element of each row read)."""
+  mem = c.memory
+  n, k = mem.pkm_sub_keys, mem.pkm_top_k
+  norm = layer_norm(2 * queries, dim // 2) if mem.pkm_query_norm == "layernorm" else Flops(0)
+  return {"query_norm": norm, "scores": linear(2 * queries, dim // 2, n), **_product_search(queries, n, n, n * n, k),
+          "values": Flops(2 * queries * k * value_dim)}
+
+
+def _pkm_extra(c, b, l):
+  """What a pkm memory read adds to a standard layer (model/pkm.py; our count): its norm, the query, the product
+  keys of pkm_heads heads, one bag of their H*k value rows, the gated output and the residual."""
+  m, mem = c.model, c.memory
+  t, d, heads = b * l, m.d_model, mem.pkm_heads
+  value_dim = mem.pkm_value_dim or d
+  lookup = _product_lookup(c, t * heads, mem.pkm_key_dim, value_dim)
+  extra = {"norm": rms_norm(t, d), "query": linear(t, d, heads * mem.pkm_key_dim), "lookup": lookup}
+  if mem.pkm_gated:
+    extra["output"] = {"gate": linear(t, d, value_dim), "activation": swiglu(t, value_dim),
+                       "out": linear(t, value_dim, d)}
+  extra["residual"] = per_element(t, d)
+  if mem.block_variant == "B":
+    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim),
+                 post_memory_residual=per_element(t, d))
+  return extra
+
+
+def _hml_extra(c, b, l):
+  """What an hml memory block adds before a standard layer (model/hml.py; our count): its norm, self-attention
+  without W_o (with RoPE), the product keys of every head on its own output, the value rows, the per-head maps
+  W_h and the residual."""
+  m = c.model
+  t, d, heads = b * l, m.d_model, m.num_heads
+  head_dim, kv = d // heads, m.num_kv_heads * (d // heads)
+  attention = _attention(b, l, l, d, heads, kv, d)
+  del attention["o"]
+  return {"norm": rms_norm(t, d), "attention": attention, "rope": rope(t, d, kv),
+          "lookup": _product_lookup(c, t * heads, head_dim, head_dim), "maps": linear(t * heads, head_dim, head_dim),
+          "residual": per_element(t, d)}
+
+
+_MEMORY_EXTRA = {"chapters": _memory_extra, "pkm": _pkm_extra, "hml": _hml_extra}
+
+
+def rows_read(c, l) -> int:
+  """Rows of the bank one sequence of `l` tokens reads per memory layer: its shared and routed chapters' tokens
+  (sequence routing, MoC-PT's "selected memory tokens"), or every token's heads x k value slots."""
+  mem = c.memory
+  if mem.kind == "chapters":
+    return selected_tokens(c)
+  return l * (mem.pkm_heads if mem.kind == "pkm" else c.model.num_heads) * mem.pkm_top_k
 
 
 def _head(m, b, l):
@@ -288,7 +352,7 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
   mem_layers = memory_layers(config)
   n_mem, n_std = len(mem_layers), config.model.num_layers - len(mem_layers)
   std = _standard_layer(config.model, batch, l)
-  mem_layer = {"backbone": std, "memory": _memory_extra(config, batch, l)} if n_mem else {}
+  mem_layer = {"backbone": std, "memory": _MEMORY_EXTRA[config.memory.kind](config, batch, l)} if n_mem else {}
   head = _head(config.model, batch, l)
 
   def weighted(matmul=None):
@@ -299,14 +363,14 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
   matmul = weighted(True) + _sum(head, True)
   recompute_layers = layers if recompute else 0
   recompute_memory = 0
-  if n_mem and not flash:  # memory attention up to W_o, once more per memory layer
+  if n_mem and not flash and config.memory.kind == "chapters":  # memory attention up to W_o, once more per layer
     attention = mem_layer["memory"]["attention"]
     recompute_memory = n_mem * (_sum(attention) - attention["o"].count)
   micro = 3 * forward + recompute_layers + recompute_memory
   return {
       "batch": batch, "seq_len": l,
       "layers": {"standard": n_std, "memory": list(mem_layers), "banks": len(set(bank_ids(config)))},
-      "selected_memory_tokens": selected_tokens(config) if n_mem else 0,
+      "selected_memory_tokens": rows_read(config, l) if n_mem else 0,
       "standard_layer": _render(std),
       "memory_layer": _render(mem_layer) if n_mem else None,
       "head": _render(head),
@@ -323,11 +387,12 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
 def model_flops_per_token(config, seq_len=None) -> float:
   """Training FLOPs per token for MFU: forward + backward, no recompute, over the tokens.
 
-  Memory counts only the chapters read, so MFU reflects the work the model needs, not the bank size.
-  Sequence routing: one sequence. Per-position routing projects the bank once per micro-batch, so
-  that projection is shared by the micro-batch's `train.batch_size` sequences.
+  Memory counts only the chapters (or value slots) read, so MFU reflects the work the model needs, not the bank
+  size. Sequence routing and product keys: one sequence. Per-position routing projects the bank once per
+  micro-batch, so that projection is shared by the micro-batch's `train.batch_size` sequences.
   """
-  batch = 1 if config.memory.routing == "sequence" or not memory_layers(config) else config.train.batch_size
+  shared_projection = memory_layers(config) and config.memory.kind == "chapters" and config.memory.routing != "sequence"
+  batch = config.train.batch_size if shared_projection else 1
   e = estimate(config, batch, seq_len, recompute=False)
   return e["train"]["micro_step"] / (e["seq_len"] * batch)
 
@@ -358,8 +423,9 @@ def _table(e, config, per_token) -> str:
            (0, "train / micro-step", t["micro_step"]),
            (0, f"train / step (x{t['accum']} accum, x{t['world_size']} devices)", t["step"]),
            (0, f"train / run (x{t['steps']} steps)", t["run"])]
+  read = "memory tokens" if config.memory.kind == "chapters" else f"{config.memory.kind} value rows"
   lines = [f"{config.name}: batch {e['batch']} x {e['seq_len']} tokens; {lay['banks']} bank(s); "
-           f"{e['selected_memory_tokens']:,} memory tokens read per sequence"]
+           f"{e['selected_memory_tokens']:,} {read} read per sequence"]
   lines += [f"{'  ' * d + n:<48}{v:>28,}" for d, n, v in rows]
   lines.append(f"{'model FLOPs per token (fwd + bwd, for MFU)':<48}{per_token:>28,.1f}")
   return "\n".join(lines)

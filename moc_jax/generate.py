@@ -149,8 +149,9 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
     t0 = time.time()
     out = gen(params, encoded, num_new, temperature=temperature, top_p=top_p, seed=seed)
     seconds = time.time() - t0
-  summary = {"step": int(restored),
-             "routing": resolve_decode_routing(config.memory) if config.memory.enabled else "none",
+  mem = config.memory
+  routing = resolve_decode_routing(mem) if mem.kind == "chapters" else f"{mem.kind}: every token looks up its slots"
+  summary = {"step": int(restored), "routing": routing if mem.enabled else "none",
              "prompt_tokens": [len(e) for e in encoded], "new_tokens": [len(o) for o in out],
              "seconds": round(seconds, 3)}
   if num_new < max_new_tokens:

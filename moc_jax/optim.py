@@ -7,7 +7,8 @@ for warm-up schedules, exactly as MoC-PT's LambdaLR.
 
 `train.bank_optimizer=lazy_adam` replaces the bank group's AdamW by lazy AdamW (`LazyBankOptimizer`): AdamW
 over the chapters an update read (`chapters_read`), the other chapters' values and moments untouched, at a
-cost that follows the chapters read. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
+cost that follows the chapters read. A product-key value table (memory.kind pkm / hml) is the bank too: its rows
+are slots, and an update moves the slots it read. `train.bank_optimizer=smf` (sparse memory finetuning) is the same
 update over another set of chapters: per bank the `train.smf_top_t` chapters the update read most against a
 background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is. `bank_update` decodes
 these settings and `train.freeze_bank` into one `BankUpdate`, which the train step, the loop and the state layout
@@ -182,7 +183,8 @@ class LazyBankOptimizer(NamedTuple):
     return optax.global_norm((rest_grads, parts))
 
   def apply(self, params, state, rest_grads, bank_grad, read, grad_norm, ok):
-    """One update -> (params, state); when not `ok` (non-finite), both as they were."""
+    """One update -> (params, state); when not `ok` (non-finite), both as they were. `read` may be None with a
+    sparse `bank_grad`: the rows it names are the rows read (a product-key table's update)."""
     if self.clip_norm > 0:  # optax.clip_by_global_norm, over the whole gradient
       clip = lambda g: jnp.where(grad_norm < self.clip_norm, g, (g / grad_norm.astype(g.dtype)) * self.clip_norm)  # noqa: E731
       rest_grads = jax.tree.map(clip, rest_grads)
@@ -208,7 +210,7 @@ class LazyBankOptimizer(NamedTuple):
 
 def _sparse_step(rows, p, m, v, n, read, ok, lr, hyper):
   """`lazy_adamw_rows` on the named rows of each bank: gather, step, scatter back (slots naming chapter C
-  read nothing and write nothing). Moments and counts in host memory (`train.bank_state_memory=pinned_host`)
+  read nothing and write nothing); `read` None steps every row named. Moments and counts in host memory (`train.bank_state_memory=pinned_host`)
   are read and written there, row by row (`_host_take`, `_host_put`)."""
   host = _in_host_memory(m)
   for b, r in enumerate(rows):
@@ -220,7 +222,8 @@ def _sparse_step(rows, p, m, v, n, read, ok, lr, hyper):
     else:
       state = [take(m), take(v), take(n)]
     old = (take(p), *state)
-    new = lazy_adamw_rows(r.values, old[1], old[2], old[3], old[0], take(read, False), lr, *hyper)
+    named = r.ids < p.shape[1] if read is None else take(read, False)
+    new = lazy_adamw_rows(r.values, old[1], old[2], old[3], old[0], named, lr, *hyper)
     new = [jnp.where(ok, a, o) for a, o in zip(new, old)]
     p = p.at[b, r.ids].set(new[0], mode="drop")
     if host:  # the empty slots write slot 0's row (so every write to that row carries the same value)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import optim, sharding
+from moc_jax.config import bank_shape
 from moc_jax.errors import CorruptCheckpointError
 from moc_jax.model import Transformer
 from moc_jax.model.build import abstract_model
@@ -60,7 +61,7 @@ def build_state(config, mesh) -> StateLayout:
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   scalars = ("step", "nonfinite", "skipped", "rng")
   shardings = {"params": p_shard, "opt_state": o_shard, **{k: replicated for k in scalars}}
-  padding = sharding.ChapterPadding(config.memory.num_chapters, sharding.padded_chapters(config, dict(mesh.shape)))
+  padding = sharding.ChapterPadding(bank_shape(config).rows, sharding.padded_chapters(config, dict(mesh.shape)))
 
   def init(seed):
     params = nnx.state(Transformer(config, nnx.Rngs(params=seed)), nnx.Param)

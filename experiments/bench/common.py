@@ -30,6 +30,7 @@ from flax import nnx
 
 import moc_jax
 from moc_jax import flops, optim, sharding
+from moc_jax.config import bank_shape
 from moc_jax.errors import ConfigError
 from moc_jax.losses import lm_loss, next_token_ce
 from moc_jax.state import build_state
@@ -205,7 +206,7 @@ class Trainer:
         return optax.apply_updates(params, updates), opt_state
       return jax.jit(update, donate_argnums=(1, 2)), grads
     micro = jax.tree.map(lambda x: x[:self.config.train.batch_size], self.batch)
-    _, k, *row = bank_delta_shape(self.graphdef, params, micro, self.config.memory.num_shared)
+    _, k, *row = bank_delta_shape(self.graphdef, params, micro, bank_shape(self.config).always_read)
     banks, chapters = params["bank"]["memory"].shape[:2]
     ids = jnp.arange(k, dtype=jnp.int32)
     rows = [optim.SparseRows(ids, jnp.full((k, *row), 1e-3, jnp.float32)) for _ in range(banks)]

@@ -12,14 +12,18 @@ from moc_jax.config.schema import CAUSAL_ROUTINGS
 
 def routing_is_causal(c) -> bool:
   """Whether each position's output depends only on tokens at or before it (the backbone always is;
-  `sequence` routing pools the whole row, the other modes pool the past)."""
-  return not (c.memory.enabled and memory_layers(c) and c.memory.routing not in CAUSAL_ROUTINGS)
+  `sequence` routing pools the whole row, the other modes pool the past; product keys look up each token's
+  own query)."""
+  return not (c.memory.enabled and memory_layers(c) and c.memory.kind == "chapters"
+              and c.memory.routing not in CAUSAL_ROUTINGS)
 
 
 def routing_statement(c) -> str:
   """One line for the training log: the routing mode and whether the run is causal."""
   if not (c.memory.enabled and memory_layers(c)):
     return "no memory layers: causal"
+  if c.memory.kind != "chapters":
+    return f"memory.kind={c.memory.kind}: causal (each token looks up its own slots)"
   if routing_is_causal(c):
     return f"memory.routing={c.memory.routing}: causal (no position reads chapters chosen from later tokens)"
   if c.memory.routing == "segment":
@@ -58,6 +62,27 @@ def bank_ids(c) -> tuple[int, ...]:
   n = len(memory_layers(c))
   return tuple({"shared": lambda i: 0, "per_layer": lambda i: i,
                 "every_k_layers": lambda i: i // c.memory.sharing_k}[c.memory.sharing](i) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class BankShape:
+  """The memory's trainable table as padding, sharding, the bank optimizer and evaluation see it, whatever the
+  kind: `tables` tables (memory.sharing) of `rows` rows each, along the logical axis `row_axis`; `always_read`
+  rows (the first ones) are part of every read.
+
+  chapters: the chapter bank [tables, C, T, d], a row a chapter, the shared chapters always read. pkm / hml: the
+  value table [tables, N, d_v] of N = pkm_sub_keys**2 slots, a row a slot, none always read."""
+  tables: int
+  rows: int
+  row_axis: str
+  always_read: int
+
+
+def bank_shape(c) -> BankShape:
+  mem, tables = c.memory, max(bank_ids(c), default=0) + 1
+  if mem.kind == "chapters":
+    return BankShape(tables, mem.num_chapters, "chapters", mem.num_shared)
+  return BankShape(tables, mem.pkm_sub_keys ** 2, "slots", 0)
 
 
 @dataclasses.dataclass(frozen=True)

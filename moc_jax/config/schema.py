@@ -15,6 +15,8 @@ DEFAULT_DATA_DIR = "~/.cache/moc_jax/data"
 DATA_DIR_ENV = "MOC_JAX_DATA_DIR"
 
 # The values an enumerated field accepts (config/validate.py rejects anything else).
+MEMORY_KINDS = ("chapters", "pkm", "hml")
+QUERY_NORMS = ("none", "layernorm")
 PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
@@ -75,6 +77,11 @@ def base_config():
 
   mem = c.memory = config_dict.ConfigDict()
   mem.enabled = True             # False = vanilla backbone (no bank, no router)
+  # chapters: Mixture of Chapters, a bank of chapters read by routed cross-attention (the fields from num_tokens to
+  # mse_aux_coef) | pkm: product-key memory as Memory+ builds it (model/pkm.py) | hml: MIDUS's head-wise memory
+  # block (model/hml.py); the pkm_* fields size both. Every kind shares the placement, block_variant, sharing (one
+  # bank or value table per group of memory layers), wo_init_zero, the trainer, checkpoints and evaluation.
+  mem.kind = "chapters"
   mem.num_tokens = 262_208
   mem.num_chapters = 4097
   mem.num_shared = 1             # chapters [0, num_shared) are always read
@@ -119,6 +126,16 @@ def base_config():
   mem.aux_free_rate = 0.01       # aux_free: the bias step γ per update
   mem.z_loss_coef = 0.001
   mem.mse_aux_coef = 0.0
+  # pkm / hml: N = pkm_sub_keys**2 value slots per table, found per token and head by product keys (top-k per
+  # half, then the top-k of the k^2 sums, softmax over the k). Memory+'s sizes (Berges et al. 2024): 1024^2
+  # slots, 4 heads of 512-d queries, top-32; MIDUS's HML: n = 64, top-4, its heads the attention's.
+  mem.pkm_sub_keys = 1024        # n (pkm and hml)
+  mem.pkm_top_k = 32             # k slots per head and token (pkm and hml)
+  mem.pkm_heads = 4              # pkm: query heads, each with its own sub-keys (hml: model.num_heads)
+  mem.pkm_key_dim = 512          # pkm: query width per head, split into two halves (hml: the head width)
+  mem.pkm_value_dim = config_dict.placeholder(int)  # pkm: value width; None -> d_model (hml: the head width)
+  mem.pkm_query_norm = "none"    # none | layernorm (parameter-free, each query half) : pkm and hml
+  mem.pkm_gated = True           # pkm: Memory+'s output (y * silu(x W1)) W2; False: y itself (value width d_model)
   t = c.train = config_dict.ConfigDict()
   t.batch_size = 32              # global sequences per micro-batch
   t.grad_accum = 1               # micro-batches per update (loss = mean of micro-batch token means)
@@ -164,7 +181,7 @@ def base_config():
       ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
       ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
       ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"),
-      ("chapter_logits", None), ("chapter_factors", None))
+      ("chapter_logits", None), ("chapter_factors", None), ("slots", "memory"), ("value_embed", None))
   c.num_fake_devices = 0         # > 0: that many CPU devices (compile reports, mesh tests on one host)
 
   c.data = data_config()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import jax
 
-from moc_jax.config.plan import bank_ids, layer_plan, memory_layers, router_factors
+from moc_jax.config.plan import bank_ids, bank_shape, layer_plan, memory_layers, router_factors
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
-                                   LOAD_BALANCES, PACK_BOUNDARIES, PLACEMENTS, REMATS, ROUTERS, ROUTING_POOLS, ROUTINGS, SCHEDULES,
-                                   SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
+                                   LOAD_BALANCES, MEMORY_KINDS, PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS,
+                                   ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
 
@@ -74,10 +74,58 @@ def validate_data(d) -> None:
 
 
 def _validate_memory(c):
+  """The placement, which every kind shares, then the fields of `memory.kind`."""
   m, mem = c.model, c.memory
+  _enum(c, "memory.kind", MEMORY_KINDS)
   _enum(c, "memory.placement", PLACEMENTS)
   _enum(c, "memory.sharing", SHARINGS)
   _enum(c, "memory.block_variant", VARIANTS)
+  for f in ("placement_k", "placement_n", "sharing_k"):
+    _positive(c, f"memory.{f}")
+  if mem.placement == "custom":
+    bad = [i for i in mem.layer_indices if not 0 <= i < m.num_layers]
+    if bad or len(set(mem.layer_indices)) != len(mem.layer_indices):
+      _fail("memory.layer_indices", f"{tuple(mem.layer_indices)} has out-of-range or repeated layers {bad}",
+            f"use distinct indices in [0, {m.num_layers})")
+  if mem.placement in ("first_k", "last_k") and mem.placement_k > m.num_layers:
+    _fail("memory.placement_k", f"{mem.placement_k} > num_layers {m.num_layers}", "use at most num_layers")
+  if not memory_layers(c):
+    _fail("memory.placement", f"{mem.placement!r} places no memory layer",
+          "set memory.enabled=False for a vanilla model, or place at least one memory layer")
+  if mem.kind == "chapters":
+    _validate_chapters(c)
+  else:
+    _validate_slots(c)
+
+
+def _validate_slots(c):
+  """pkm and hml: the product keys and the value table (model/product_keys.py, pkm.py, hml.py)."""
+  m, mem = c.model, c.memory
+  _enum(c, "memory.pkm_query_norm", QUERY_NORMS)
+  for f in ("pkm_sub_keys", "pkm_top_k", "pkm_heads", "pkm_key_dim"):
+    value = mem[f]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      _fail(f"memory.{f}", f"must be an integer >= 1, got {value!r}", "set a valid value")
+  if mem.pkm_top_k > mem.pkm_sub_keys ** 2:
+    _fail("memory.pkm_top_k", f"{mem.pkm_top_k} > the {mem.pkm_sub_keys ** 2} slots of pkm_sub_keys "
+          f"{mem.pkm_sub_keys}", "lower pkm_top_k or raise pkm_sub_keys")
+  if mem.kind == "hml":
+    if mem.block_variant != "A":
+      _fail("memory.block_variant", f"{mem.block_variant!r} with memory.kind='hml': an hml memory block has no MLP, "
+            "so it has no variant", "leave memory.block_variant='A'")
+    return
+  if mem.pkm_key_dim % 2:
+    _fail("memory.pkm_key_dim", f"{mem.pkm_key_dim} is odd", "use an even width (two halves, one per sub-key set)")
+  if mem.pkm_value_dim is not None and (not isinstance(mem.pkm_value_dim, int) or mem.pkm_value_dim < 1):
+    _fail("memory.pkm_value_dim", f"must be an integer >= 1 or None, got {mem.pkm_value_dim!r}",
+          "leave it None to use d_model")
+  if not mem.pkm_gated and mem.pkm_value_dim not in (None, m.d_model):
+    _fail("memory.pkm_value_dim", f"{mem.pkm_value_dim} with memory.pkm_gated=False: the ungated output is the "
+          f"values themselves, d_model={m.d_model} wide", "leave pkm_value_dim None, or set pkm_gated=True")
+
+
+def _validate_chapters(c):
+  m, mem = c.model, c.memory
   _enum(c, "memory.token_norm", TOKEN_NORMS)
   _enum(c, "memory.routing", ROUTINGS)
   _enum(c, "memory.decode_routing", DECODE_ROUTINGS)
@@ -86,8 +134,8 @@ def _validate_memory(c):
   _enum(c, "memory.load_balance", LOAD_BALANCES)
   _enum(c, "memory.router", ROUTERS)
   _enum(c, "memory.attention_impl", ATTENTION_IMPLS)
-  for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std",
-            "placement_k", "placement_n", "sharing_k", "token_norm_eps", "routing_chunk", "routing_window"):
+  for f in ("num_tokens", "num_chapters", "top_k", "num_heads", "num_kv_heads", "init_std", "token_norm_eps",
+            "routing_chunk", "routing_window"):
     _positive(c, f"memory.{f}")
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef",
             "aux_free_rate"):
@@ -114,16 +162,6 @@ def _validate_memory(c):
   if mem.num_heads % mem.num_kv_heads:
     _fail("memory.num_kv_heads", f"{mem.num_kv_heads} does not divide memory.num_heads {mem.num_heads}",
           "pick a divisor of memory.num_heads")
-  if mem.placement == "custom":
-    bad = [i for i in mem.layer_indices if not 0 <= i < m.num_layers]
-    if bad or len(set(mem.layer_indices)) != len(mem.layer_indices):
-      _fail("memory.layer_indices", f"{tuple(mem.layer_indices)} has out-of-range or repeated layers {bad}",
-            f"use distinct indices in [0, {m.num_layers})")
-  if mem.placement in ("first_k", "last_k") and mem.placement_k > m.num_layers:
-    _fail("memory.placement_k", f"{mem.placement_k} > num_layers {m.num_layers}", "use at most num_layers")
-  if not memory_layers(c):
-    _fail("memory.placement", f"{mem.placement!r} places no memory layer",
-          "set memory.enabled=False for a vanilla model, or place at least one memory layer")
 
 
 def _validate_train(c):
@@ -168,10 +206,11 @@ def _validate_bank_optimizer(c):
           "lazy_adam's update reads the bank's optimizer state row by row", "set train.bank_optimizer='lazy_adam', "
           "or leave train.bank_state_memory='device'")
   if t.bank_state_memory != "device":
-    if shards(c, "chapters") > 1:
-      _fail("train.bank_state_memory", f"{t.bank_state_memory!r} with the bank's chapters split {shards(c, 'chapters')} "
-            "ways: each device then updates its own chapters whole, on the device", "leave "
-            "train.bank_state_memory='device', or map the logical axis `chapters` to no mesh axis of size > 1")
+    rows = bank_shape(c).row_axis  # chapters, or a value table's slots
+    if shards(c, rows) > 1:
+      _fail("train.bank_state_memory", f"{t.bank_state_memory!r} with the bank's {rows} split {shards(c, rows)} "
+            f"ways: each device then updates its own {rows} whole, on the device", "leave "
+            f"train.bank_state_memory='device', or map the logical axis `{rows}` to no mesh axis of size > 1")
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     if t.bank_state_memory not in kinds:
       _fail("train.bank_state_memory", f"{t.bank_state_memory!r}: this {jax.default_backend()} backend has no such "
@@ -186,6 +225,9 @@ def _validate_bank_optimizer(c):
           "no bank", "leave train.bank_optimizer='dense'")
   if t.bank_optimizer != "smf":
     return
+  if c.memory.kind != "chapters":
+    _fail("train.bank_optimizer", f"'smf' with memory.kind={c.memory.kind!r}: sparse memory finetuning ranks chapters "
+          "against a background of chapter reads", "use train.bank_optimizer='lazy_adam' (AdamW over the slots read)")
   if not 1 <= t.smf_top_t <= c.memory.num_chapters:
     _fail("train.smf_top_t", f"{t.smf_top_t} is outside [1, memory.num_chapters={c.memory.num_chapters}]",
           "use the number of chapters per bank each update may move")
@@ -203,7 +245,11 @@ def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
           "mlp": [("model.mlp_dim", m.mlp_dim)], "layers": [("model.num_layers", layer_plan(c).num_groups)]}
   if "train" in c:
     dims["batch"] = [("train.batch_size", c.train.batch_size)]
-  if mem.enabled and memory_layers(c):
+  if mem.enabled and memory_layers(c) and mem.kind != "chapters":
+    value_dim = (mem.pkm_value_dim or m.d_model) if mem.kind == "pkm" else m.d_model // m.num_heads
+    dims["value_embed"] = [("memory.pkm_value_dim", value_dim)]
+    dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
+  elif mem.enabled and memory_layers(c):
     dims["embed"].append(("memory.dim", mem.dim or m.d_model))
     dims["heads"].append(("memory.num_heads", mem.num_heads))
     dims["kv"].append(("memory.num_kv_heads", mem.num_kv_heads))

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 from flax import nnx
 
-from moc_jax.config import routing_is_causal, routing_statement, validate
+from moc_jax.config import bank_shape, routing_is_causal, routing_statement, validate
 from moc_jax.model.transformer import Transformer
 
 log = logging.getLogger("moc_jax")
@@ -45,8 +45,10 @@ def param_groups(path) -> str:
 
 
 def count_params(config) -> dict:
-  """Parameter counts {total, backbone, bank, memory_layers} from shapes alone (no allocation); the aux-free
-  balance bias is routing state, not a trained parameter, and is not counted."""
+  """Parameter counts {total, backbone, bank, memory_layers} from shapes alone (no allocation): `bank` is the
+  chapter bank or the value table, `memory_layers` the rest of the memory (routers, memory attention; product keys,
+  queries, gates, hml blocks). The aux-free balance bias is routing state, not a trained parameter, and is not
+  counted."""
   counts = {"backbone": 0, "bank": 0, "memory_layers": 0}
   key = {"base": "backbone", "bank": "bank", "memory": "memory_layers"}
   state = nnx.state(abstract_model(config), nnx.Param)
@@ -54,8 +56,8 @@ def count_params(config) -> dict:
     if param_groups(path) == "fixed":
       continue
     n = int(np.prod(leaf.shape))
-    if key[param_groups(path)] == "bank":  # chapters padded for sharding are not parameters
-      n = n // leaf.shape[1] * config.memory.num_chapters
+    if key[param_groups(path)] == "bank":  # rows (chapters, slots) padded for sharding are not parameters
+      n = n // leaf.shape[1] * bank_shape(config).rows
     counts[key[param_groups(path)]] += n
   counts["total"] = sum(counts.values())
   return counts

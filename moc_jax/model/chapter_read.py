@@ -89,7 +89,7 @@ def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, impleme
       return call(q, k, v, ids, ls, vs)
     gather = lambda x: jax.lax.all_gather(x, chapter_axes, axis=0, tiled=True)  # noqa: E731
     q, ids, ls, vs = map(gather, (q, ids, ls, vs))
-    local_ids, hit = _owned(ids, jax.lax.axis_index(chapter_axes), k.shape[0])
+    local_ids, hit = owned(ids, jax.lax.axis_index(chapter_axes), k.shape[0])
     local_ids = jnp.where(hit & (ids >= 0), local_ids, -1)
     scatter = lambda x: jax.lax.psum_scatter(x, chapter_axes, scatter_dimension=0, tiled=True)  # noqa: E731
     if combine == "moe":
@@ -103,8 +103,9 @@ def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, impleme
                        out_specs=q_spec, check_vma=False)(q, k, v, ids, logit_scale, value_scale)
 
 
-def _owned(ids, owner, per):
-  """Local row of each requested chapter in `owner`'s shard (clipped) and whether it lives there."""
+def owned(ids, owner, per):
+  """Local row of each requested row (a chapter, or a value slot) in `owner`'s shard of `per` rows (clipped), and
+  whether it lives there."""
   local = ids - owner * per
   return jnp.clip(local, 0, per - 1), (local >= 0) & (local < per)
 
@@ -112,7 +113,7 @@ def _owned(ids, owner, per):
 def _scatter_take(shard, ids, axes):
   """bank[ids]: owners copy out what the group asked for; a reduce-scatter hands each device its part."""
   group_ids = jax.lax.all_gather(ids, axes, axis=0, tiled=True)
-  local, hit = _owned(group_ids, jax.lax.axis_index(axes), shard.shape[0])
+  local, hit = owned(group_ids, jax.lax.axis_index(axes), shard.shape[0])
   part = jnp.take(shard, local, axis=0)
   part = jnp.where(_per_slot(hit, part), part, 0)
   return jax.lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
@@ -134,7 +135,7 @@ def _ring_take(shard, ids, axes):
   me = jax.lax.axis_index(axes)
 
   def copy_out(owner, held, out):
-    local, hit = _owned(ids, owner, per)
+    local, hit = owned(ids, owner, per)
     return jnp.where(_per_slot(hit, out), jnp.take(held, local, axis=0), out)
 
   def step(i, carry):  # `held` came from the device i places to the left
@@ -157,7 +158,7 @@ def _ring_take_bwd(axes, res, g):
   me = jax.lax.axis_index(axes)
 
   def add(i, acc):  # at step i this device holds the accumulator of the shard owned i+1 places left
-    local, hit = _owned(ids, (me - i - 1) % n, per)
+    local, hit = owned(ids, (me - i - 1) % n, per)
     return acc.at[local].add(jnp.where(hit[:, :, None, None], g, 0).astype(dtype))
 
   def step(i, acc):

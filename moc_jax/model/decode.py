@@ -10,7 +10,9 @@ change while decoding, so a jitted decode step compiles once. The cache is a pyt
               k, v    [B, M, Hkv, dh]  self-attention keys and values, compute dtype
               memory  (memory blocks) the routing state of `memory.decode_routing`: {} until the
                       prompt has run; then prefix/chunk running sums, the rolling window, or the
-                      prompt-routed chapters' keys and values (`MemoryLayer.decode`)
+                      prompt-routed chapters' keys and values (`MemoryLayer.decode`); pkm: {} (a token's
+                      lookup needs no earlier one); hml: the memory block's own attention keys and values
+                      {k, v}, shaped as the block's
 
 Rows may be left-padded (`valid` False): padding is never attended to, never pooled for routing, and
 takes no RoPE position, so a padded row decodes as it would alone.
@@ -30,7 +32,9 @@ def init_cache(model, batch: int, max_len: int) -> dict:
 
   def block(offset):
     c = {"k": jnp.zeros(kv_shape, dtype), "v": jnp.zeros(kv_shape, dtype)}
-    return {**c, "memory": {}} if offset in plan.memory_offsets else c
+    if offset not in plan.memory_offsets:
+      return c
+    return {**c, "memory": dict(c) if model.cfg.memory.kind == "hml" else {}}
 
   return {"index": jnp.zeros((), jnp.int32), "valid": jnp.zeros((batch, max_len), bool),
           "position": jnp.zeros((batch,), jnp.int32), "layers": [block(j) for j in range(plan.period)]}

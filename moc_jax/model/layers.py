@@ -84,9 +84,10 @@ def attention(q, k, v, mask=None):
 
 
 class SelfAttention(nnx.Module):
-  """Causal GQA self-attention with RoPE; bias-free projections."""
+  """Causal GQA self-attention with RoPE; bias-free projections. `output_projection=False` leaves W_o out: the
+  heads' outputs come back concatenated, float32 [B, L, H*dh] (an hml memory block's queries, model/hml.py)."""
 
-  def __init__(self, cfg, rngs):
+  def __init__(self, cfg, rngs, output_projection=True):
     m = cfg.model
     self.num_heads, self.num_kv_heads = m.num_heads, m.num_kv_heads
     self.head_dim = m.d_model // m.num_heads
@@ -96,19 +97,24 @@ class SelfAttention(nnx.Module):
     self.q = dense(m.d_model, m.d_model, m.init_std, ("embed", "heads"), dt, rngs)
     self.k = dense(m.d_model, kv, m.init_std, ("embed", "kv"), dt, rngs)
     self.v = dense(m.d_model, kv, m.init_std, ("embed", "kv"), dt, rngs)
-    self.o = dense(m.d_model, m.d_model, m.attn_out_init_std, ("heads", "embed"), dt, rngs)
+    self.o = (dense(m.d_model, m.d_model, m.attn_out_init_std, ("heads", "embed"), dt, rngs)
+              if output_projection else None)
 
   def __call__(self, x, positions, mask):
     """x [B, L, d] -> [B, L, d]; `mask` [B|1, 1, L, L] says which positions each one attends to."""
     q, k, v = self._qkv(x, positions)
-    return self.o(attention(q, k, v, mask).astype(x.dtype))
+    return self._output(attention(q, k, v, mask), x.dtype)
 
   def decode(self, cache, x, positions, mask, index):
     """Cached decoding -> (cache, out). `cache` holds keys and values [B, M, Hkv, dh] of M slots; x's are
     written at slots [index, index+L) and x attends over all M slots (`mask` [B, 1, L, M] says which)."""
     q, k, v = self._qkv(x, positions)
     k, v = (jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), index, axis=1) for c, new in zip(cache, (k, v)))
-    return (k, v), self.o(attention(q, k, v, mask).astype(x.dtype))
+    return (k, v), self._output(attention(q, k, v, mask), x.dtype)
+
+  def _output(self, heads, dtype):
+    """W_o of the heads' concatenated outputs [B, L, H*dh] (cast to `dtype`), or the heads themselves."""
+    return heads if self.o is None else self.o(heads.astype(dtype))
 
   def _qkv(self, x, positions):
     b, l, _ = x.shape

@@ -66,21 +66,21 @@ class ChapterBank(nnx.Module):
 class BankRows:
   """A memory layer's bank in a train step with a sparse bank gradient (`train.bank_optimizer=lazy_adam`).
 
-  `bank` [C, T, dm] is read but not differentiated; `delta` [K, T, dm] is zeros and is. The layer gathers the
-  K distinct chapters it reads (`rows_in_use`) and adds `delta` to them, so d loss / d delta is the bank's
-  gradient on exactly those chapters: the backward pass never builds a [C, T, dm] gradient, and the bank
-  can grow without the step growing. K is fixed before tracing (the chapter ids the layer can name, plus
-  the shared chapters, at most C).
+  `bank` [C, ...] (C rows: the chapters of a chapter bank [C, T, dm], or the slots of a value table [N, d_v]) is
+  read but not differentiated; `delta` [K, ...] is zeros and is. The layer gathers the K distinct rows it reads
+  (`rows_in_use`) and adds `delta` to them, so d loss / d delta is the bank's gradient on exactly those rows: the
+  backward pass never builds a bank-sized gradient, and the bank can grow without the step growing. K is fixed
+  before tracing (the row ids the layer can name, plus the rows always read, at most C).
   """
   bank: jax.Array
   delta: jax.Array
 
 
 def rows_in_use(bank, ids, num_shared):
-  """(bank or its rows in use, `ids` indexing them, the rows' chapter ids [K] or None).
+  """(bank or its rows in use, `ids` indexing them, the rows' ids in the bank [K] or None).
 
-  A plain bank is returned as is. A `BankRows` becomes the sorted distinct chapters of `ids` and of the
-  shared chapters (always slots 0..s-1), plus `delta`; slots past the distinct chapters name chapter C
+  A plain bank is returned as is. A `BankRows` becomes the sorted distinct rows of `ids` and the `num_shared`
+  first rows (the shared chapters: always slots 0..s-1), plus `delta`; slots past the distinct rows name row C
   (none: zero rows, never indexed, their updates dropped)."""
   if not isinstance(bank, BankRows):
     return bank, ids, None

@@ -1,5 +1,10 @@
 """The decoder: embedding -> blocks (variant A/B, memory where placed) -> final norm -> tied head.
 
+The memory of a memory layer is `memory.kind`'s: a chapter read (model/memory.py) or a product-key read
+(model/pkm.py) between the block's attention and MLP, or an hml memory block that runs before the block
+(model/hml.py). Its bank (the chapter bank, or the value table) is one parameter of the model, read by the memory
+layers as memory.sharing says.
+
 Where the memory placement is periodic (the paper: every 4th layer from 2) the layers are built as
 `num_groups` stacked copies of one `period`-layer group and run under `lax.scan`, so compile time
 stays flat with depth; otherwise one group holds all layers, unrolled. Vanilla models are the same
@@ -13,29 +18,41 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moc_jax.config import bank_ids, layer_plan, memory_layers
+from moc_jax.model.hml import HMLBlock
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
 from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
+from moc_jax.model.pkm import PKMLayer
+from moc_jax.model.value_table import ValueTable
 from moc_jax.sharding import constrain, padded_chapters
 
 _REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
+# the memory of a memory layer, by memory.kind: a read inside the block, or (hml) a block before it
+MEMORY_MODULES = {"chapters": MemoryLayer, "pkm": PKMLayer, "hml": HMLBlock}
+
+
 class Block(nnx.Module):
-  """One decoder layer. Variant A: SA -> memory -> MLP; variant B: SA -> MLP -> memory -> MLP."""
+  """One decoder layer. Variant A: SA -> memory -> MLP; variant B: SA -> MLP -> memory -> MLP. With
+  memory.kind=hml the memory is a block of its own, run before this one (`memory_first`)."""
 
   def __init__(self, cfg, has_memory, rngs):
     d, eps = cfg.model.d_model, cfg.model.norm_eps
     self.variant = cfg.memory.block_variant if has_memory else "A"
     self.attn_norm, self.attn = RMSNorm(d, eps), SelfAttention(cfg, rngs)
     self.mlp_norm, self.mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
-    self.memory = MemoryLayer(cfg, rngs) if has_memory else None
+    self.memory = MEMORY_MODULES[cfg.memory.kind](cfg, rngs) if has_memory else None
+    self.memory_first = has_memory and cfg.memory.kind == "hml"
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
 
   def __call__(self, h, positions, mask, valid, segments, bank):
     """-> (h, router stats of the block's memory read, or None)."""
-    route_input = h  # routing reads the layer input, before any norm (MoC-PT)
     stats = None
+    if self.memory_first:
+      out, stats = self.memory(h, bank, positions, mask)
+      h = h + out
+    route_input = h  # routing reads the layer input, before any norm (MoC-PT)
 
     def read_memory(x):
       nonlocal stats
@@ -48,9 +65,13 @@ class Block(nnx.Module):
   def decode(self, cache, h, positions, mask, valid, bank, index):
     """Cached decoding (model/decode.py: this block's {k, v[, memory]}, new positions from slot `index`)
     -> (updated cache, h)."""
+    new_cache = {}
+    if self.memory_first:
+      new_cache["memory"], out = self.memory.decode(cache["memory"], h, bank, positions, mask, index)
+      h = h + out
     route_input = h
     (k, v), out = self.attn.decode((cache["k"], cache["v"]), self.attn_norm(h), positions, mask, index)
-    new_cache = {"k": k, "v": v}
+    new_cache.update(k=k, v=v)
 
     def read_memory(x):
       new_cache["memory"], out = self.memory.decode(cache["memory"], x, route_input, bank, valid, index)
@@ -62,7 +83,7 @@ class Block(nnx.Module):
     """The rest of the block after self-attention: [MLP (B)] -> memory read (`read_memory(h)`) -> MLP."""
     if self.variant == "B":
       h = h + self.mlp(self.mlp_norm(h))
-    if self.memory is not None:
+    if self.memory is not None and not self.memory_first:
       h = h + read_memory(h)
     if self.variant == "B":
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
@@ -134,7 +155,8 @@ class Transformer(nnx.Module):
   aux: `router_loss` (mean over memory layers of the weighted router losses; the training loss adds
   it, evaluation does not) and per-memory-layer `load_balance`, `z_loss`, `mse_aux`, `entropy`,
   `shared_mass`, `routed_entropy` [n_mem] (`bias_spread` too with aux-free balancing), `load` [n_mem, C]
-  and `chapters` / `weights` [n_mem, B, shared+top_k].
+  and `chapters` / `weights` [n_mem, B, shared+top_k]. Product-key kinds (pkm, hml) have no router: `router_loss`
+  is 0 and aux holds `slots` [n_mem, B, L, heads, k], the value slots each position read.
   """
 
   def __init__(self, cfg, rngs):
@@ -142,8 +164,8 @@ class Transformer(nnx.Module):
     self.plan = layer_plan(cfg)
     self.bank_ids = bank_ids(cfg)
     self.embed = Embed(cfg, rngs)
-    self.bank = (ChapterBank(cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg))
-                 if memory_layers(cfg) else None)
+    bank = ChapterBank if cfg.memory.kind == "chapters" else ValueTable
+    self.bank = bank(cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg)) if memory_layers(cfg) else None
     p = self.plan
     if p.scanned:
       @nnx.split_rngs(splits=p.num_groups)
@@ -159,9 +181,9 @@ class Transformer(nnx.Module):
                bank_deltas=None):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
     `positions` restart RoPE per document. `sequence` routing pools over the row (MoC-PT); `segment`, `prefix`
-    and `chunk` pool within each document (`memory.routing`). `bank_deltas` [n_mem, K, T, dm] (zeros): memory
-    layer i reads its bank through `BankRows` with delta i, and aux gains `rows` [n_mem, K], the chapters
-    whose gradient d loss / d bank_deltas holds."""
+    and `chunk` pool within each document (`memory.routing`). `bank_deltas` [n_mem, K, ...] (zeros; a bank row's
+    shape after K): memory layer i reads its bank through `BankRows` with delta i, and aux gains `rows` [n_mem, K],
+    the bank rows (chapters, or value slots) whose gradient d loss / d bank_deltas holds."""
     h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train,
                            bank_deltas=bank_deltas)
     return self.logits(h), aux
@@ -243,8 +265,8 @@ class Transformer(nnx.Module):
         bias.set_value(bias[...] + s)
 
   def _aux(self, stats):
-    if stats is None:
-      return {"router_loss": jnp.zeros((), jnp.float32)}
+    if stats is None or "load_balance" not in stats:  # no memory, or product keys (no router, no router losses)
+      return {"router_loss": jnp.zeros((), jnp.float32), **(stats or {})}
     mem = self.cfg.memory
     per_layer = (mem.load_balance_coef * stats["load_balance"] + mem.z_loss_coef * stats["z_loss"]
                  + mem.mse_aux_coef * stats["mse_aux"])

@@ -99,8 +99,9 @@ def validate_mesh(c, dims: dict[str, list[tuple[str, int]]]) -> None:
       if size % n:
         raise ConfigError(f"config.{field}: {size} is not divisible by the {n} shards of logical axis {name!r} "
                           f"(mesh {sizes}, rule {dict(rules).get(name)!r}) — change the mesh or logical_axis_rules")
-  chapter_axes = {a for a in mesh_axes_of(rules, "chapters") if sizes[a] > 1}
-  if chapter_axes - set(mesh_axes_of(rules, "batch")):
-    raise ConfigError(f"config.logical_axis_rules: the bank's chapters are split over {sorted(chapter_axes)} but "
+  rows, what = ("chapters", "chapters") if c.memory.kind == "chapters" else ("slots", "value slots")
+  row_axes = {a for a in mesh_axes_of(rules, rows) if sizes[a] > 1}  # the bank's rows (config.bank_shape)
+  if row_axes - set(mesh_axes_of(rules, "batch")):
+    raise ConfigError(f"config.logical_axis_rules: the bank's {what} are split over {sorted(row_axes)} but "
                       "'batch' is not — add those mesh axes to the 'batch' rule (the memory axis carries its own "
                       "slice of the batch)")

@@ -2,7 +2,8 @@
 
 The bank's chapter axis may be sharded (the `memory` axis by default). When the chapter count does not
 divide the shard count it is padded with zero chapters that no router logit points at; `pad_tree` /
-`unpad_tree` convert between that device layout and the user view (unpadded).
+`unpad_tree` convert between that device layout and the user view (unpadded). A product-key value table
+(memory.kind pkm / hml) is padded the same way along its slots, which no product key names.
 """
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import math
 
 import jax
 
+from moc_jax.config.plan import bank_shape
 from moc_jax.sharding.mesh import shards
 
 
 def padded_chapters(config, sizes: dict | None = None) -> int:
-  """Chapters as stored on the devices: num_chapters rounded up to the chapter axis's shard count."""
-  n = shards(config, "chapters", sizes)
-  return -(-config.memory.num_chapters // n) * n
+  """Rows of the bank as stored on the devices: its chapters (or a value table's slots, `config.bank_shape`)
+  rounded up to the shard count of their logical axis."""
+  bank = bank_shape(config)
+  n = shards(config, bank.row_axis, sizes)
+  return -(-bank.rows // n) * n
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,8 @@ bank, and the update gathers, steps and scatters only those rows, so no bank-siz
 (a chapter-sharded bank takes the dense gradient and the masked update, each device over its own chapters).
 With `smf` the mask is the top-t chapters by TF-IDF (`optim.smf_chapters`): how much the update read each
 chapter (chapter weights summed over every micro-batch) against the background's `idf`; its gradient is dense.
+A product-key value table (memory.kind pkm / hml) is the bank too, a slot a row: its sparse gradient names the
+slots the lookups read, and a sharded table's masked update moves the slots any lookup of the update named.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moc_jax.config import bank_ids
+from moc_jax.config import bank_ids, bank_shape
 from moc_jax.losses import lm_loss
 from moc_jax.optim import SparseRows, bank_update, chapters_read, smf_chapters, split_bank, without_bank
 from moc_jax.model.routing import balance_bias_step, read_weight
@@ -48,13 +50,24 @@ def _move_balance_bias(graphdef, params, load, mem, ok):
   return nnx.state(model, nnx.Param)
 
 
-def _chapter_mask(config, bank, params, stats, idf):
-  """The chapters a lazy `bank` update moves, bool [banks, chapters] (padded for sharding: those chapters are
-  never read)."""
+def _row_mask(config, bank, params, stats, idf):
+  """The rows a lazy `bank` update moves, bool [banks, rows] (padded for sharding: those rows are never read), or
+  None: a product-key table's sparse gradient names them itself (`optim.LazyBankOptimizer.apply`)."""
   chapters = params["bank"]["memory"].shape[1]
   if bank.smf:
     return smf_chapters(stats["router_read"], bank_ids(config), idf, bank.top_t, chapters)
-  return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
+  if config.memory.kind == "chapters":
+    return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
+  return None if "slots_read" not in stats else stats["slots_read"] > 0
+
+
+def _slots_read(slots, ids_of, rows):
+  """How often each value slot was read, [banks, rows] float32, from the lookups' slots [n_mem, ...] (memory
+  layer i reads bank `ids_of[i]`)."""
+  out = jnp.zeros((max(ids_of) + 1, rows), jnp.float32)
+  for i, b in enumerate(ids_of):
+    out = out.at[b, slots[i].reshape(-1)].add(1.0)
+  return out
 
 
 def _decision_mask(chapters, batch):
@@ -65,10 +78,10 @@ def _decision_mask(chapters, batch):
   return mask
 
 
-def _sparse_bank(bank):
+def _sparse_bank(bank, config):
   """Whether this trace takes the bank's gradient sparse (`BankRows`): a `bank` update that can, on a bank whose
-  chapter axis is not split over devices (a chapter-sharded bank takes the masked update, shard by shard)."""
-  return bank.sparse_gradient and not current("chapters")[0]
+  row axis (chapters, slots) is not split over devices (a sharded bank takes the masked update, shard by shard)."""
+  return bank.sparse_gradient and not current(bank_shape(config).row_axis)[0]
 
 
 def _rows_per_bank(rows, grads, ids_of, chapters):
@@ -85,14 +98,15 @@ def _rows_per_bank(rows, grads, ids_of, chapters):
   return out
 
 
-def bank_delta_shape(graphdef, params, batch, num_shared):
-  """[n_mem, K, T, dm]: the zero deltas through which the memory layers read the bank on `batch` (one
-  micro-batch); K = the chapter ids a layer's decisions name, plus the shared chapters, at most the bank's."""
-  chapters = jax.eval_shape(lambda p, b: lm_loss(nnx.merge(graphdef, p), b, train=True)[1][1]["chapters"],
-                            params, batch)
+def bank_delta_shape(graphdef, params, batch, always_read):
+  """[n_mem, K, ...row]: the zero deltas through which the memory layers read the bank on `batch` (one
+  micro-batch); K = the row ids a layer's reads name (its decisions' chapters, or its lookups' slots), plus the
+  `always_read` rows (the shared chapters), at most the bank's rows."""
+  aux = jax.eval_shape(lambda p, b: lm_loss(nnx.merge(graphdef, p), b, train=True)[1][1], params, batch)
+  named = aux["chapters"] if "chapters" in aux else aux["slots"]
   table = params["bank"]["memory"]
-  k = min(table.shape[1], math.prod(chapters.shape[1:]) + num_shared)
-  return (chapters.shape[0], k) + tuple(table.shape[2:])
+  k = min(table.shape[1], math.prod(named.shape[1:]) + always_read)
+  return (named.shape[0], k) + tuple(table.shape[2:])
 
 
 def make_train_step(graphdef, tx, config, idf=None):
@@ -117,7 +131,10 @@ def make_train_step(graphdef, tx, config, idf=None):
     if bank.frozen:
       params = _freeze_bank(params)
     loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True)
-    return loss, {"ce": ce, **step_stats(aux, batch)}
+    stats = {"ce": ce, **step_stats(aux, batch)}
+    if "slots" in aux and bank.lazy:  # a dense gradient (a sharded table): the masked update needs the slots read
+      stats["slots_read"] = _slots_read(aux["slots"], bank_ids(config), params["bank"]["memory"].shape[1]) * accum
+    return loss, stats
 
   def sparse_loss_fn(rest, deltas, bank, batch):
     """The loss with the bank read through `deltas` -> (loss, (stats, the rows' chapter ids))."""
@@ -141,7 +158,7 @@ def make_train_step(graphdef, tx, config, idf=None):
     bank, rest = split_bank(params)
     first = jax.tree.map(lambda x: x[0], micro)
     table = params["bank"]["memory"]
-    deltas = jnp.zeros(bank_delta_shape(graphdef, params, first, mem.num_shared), table.dtype)
+    deltas = jnp.zeros(bank_delta_shape(graphdef, params, first, bank_shape(config).always_read), table.dtype)
     grad_fn = jax.value_and_grad(sparse_loss_fn, argnums=(0, 1), has_aux=True)
 
     def body(acc, mb):
@@ -158,15 +175,16 @@ def make_train_step(graphdef, tx, config, idf=None):
     params = state["params"]
     micro = jax.tree.map(lambda x: x.reshape(accum, -1, *x.shape[1:]), batch)
     if bank.lazy:
-      if _sparse_bank(bank):
+      if _sparse_bank(bank, config):
         loss, stats, (rest_grads, bank_grad) = sparse_grads(params, micro)
       else:
         loss, stats, grads = dense_grads(params, micro)
         rest_grads, bank_grad = without_bank(grads), grads["bank"]["memory"][...]
       grad_norm = tx.global_norm(rest_grads, bank_grad)
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      new_params, opt_state = tx.apply(params, state["opt_state"], rest_grads, bank_grad,
-                                       _chapter_mask(config, bank, params, stats, idf), grad_norm, ok)
+      mask = _row_mask(config, bank, params, stats, idf)
+      stats.pop("slots_read", None)  # bank-sized: not a metric
+      new_params, opt_state = tx.apply(params, state["opt_state"], rest_grads, bank_grad, mask, grad_norm, ok)
       new = {"params": new_params, "opt_state": opt_state}
     else:
       loss, stats, grads = dense_grads(params, micro)

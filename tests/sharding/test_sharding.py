@@ -24,7 +24,7 @@ DEFAULT_RULES = (
     ("batch", ("data", "memory", "fsdp")), ("length", None), ("layers", None), ("vocab", "tensor"),
     ("embed", ("fsdp", "memory")), ("heads", "tensor"), ("kv", "tensor"), ("mlp", "tensor"), ("banks", None),
     ("chapters", "memory"), ("chapter_tokens", None), ("bank_embed", "fsdp"), ("chapter_logits", None),
-    ("chapter_factors", None))
+    ("chapter_factors", None), ("slots", "memory"), ("value_embed", None))
 
 
 def config(mesh=None, rules=None, devices=0, chapters=None):
@@ -176,6 +176,28 @@ def test_validate_mesh_rejects_chapters_split_over_an_axis_batch_is_not(rules, m
   with pytest.raises(ConfigError, match=r"config\.logical_axis_rules: the bank's chapters are split over "
                                         + split + r" but 'batch' is not"):
     sharding.validate_mesh(config(mesh, rules=rules, devices=8), {})
+
+
+def test_validate_mesh_rejects_value_slots_split_over_an_axis_batch_is_not():
+  """A product-key value table (memory.kind pkm / hml) splits its slots as the chapter bank splits chapters."""
+  c = config({"data": 2, "memory": 4}, rules=(("batch", "data"), ("slots", "memory")), devices=8)
+  c.memory.kind = "pkm"
+  with pytest.raises(ConfigError, match=r"the bank's value slots are split over \['memory'\] but 'batch' is not"):
+    sharding.validate_mesh(c, {})
+  c.memory.kind = "chapters"  # the chapter bank: its chapters are not split by these rules
+  sharding.validate_mesh(c, {})
+
+
+@pytest.mark.parametrize("kind, sub_keys, mesh_sizes, expected", [
+    ("pkm", 3, sizes(memory=2), 10),   # 9 slots on 2 shards
+    ("pkm", 3, sizes(memory=4), 12),
+    ("hml", 4, sizes(memory=8), 16),   # 16 slots divide 8 shards
+    ("pkm", 3, sizes(data=8), 9),      # slots not split
+])
+def test_padded_rows_of_a_value_table_round_its_slots_up(kind, sub_keys, mesh_sizes, expected):
+  c = config()
+  c.memory.update(kind=kind, pkm_sub_keys=sub_keys)
+  assert sharding.padded_chapters(c, mesh_sizes) == expected
 
 
 @pytest.mark.parametrize("rules, mesh", [

@@ -253,3 +253,66 @@ def test_per_position_routing_counts_the_bank_projection_once_per_call(routing):
   per_row = flops.model_flops_per_token(moc_jax.load_config("configs/moc.py:tiny", {"memory.routing": routing,
                                                                                     "train.batch_size": 1}))
   assert flops.model_flops_per_token(c) < per_row
+
+
+def test_token_routing_counts_the_shared_chapters_projected_per_row():
+  """Token routing reads the shared chapters by an attention of their own, which normalises and projects their
+  16 tokens once more for each of the b rows."""
+  c = moc_jax.load_config("configs/moc.py:tiny", {"memory.routing": "token"})
+  b, d = 3, 64
+  m = flops.estimate(c, b, 100)["memory_layer"]["memory"]
+  assert m["attention"]["shared_k"] == m["attention"]["shared_v"] == 2 * b * 16 * d * d
+  assert m["preprocessing"]["shared_token_norm"] == b * 16 * (4 * d + 4)
+  prefix = flops.estimate(moc_jax.load_config("configs/moc.py:tiny"), b, 100)["memory_layer"]["memory"]
+  assert "shared_k" not in prefix["attention"]
+
+
+def _lookup_by_hand(q, half, n, k, value_dim):
+  """Product keys of q queries: two halves against n sub-keys each, the top-k of each half's n scores, the k^2
+  candidate sums and their top-k, the chosen scores' sums and softmax, and k value rows of value_dim read."""
+  log_k = (k - 1).bit_length()
+  return {"query_norm": 0, "scores": 2 * (2 * q) * half * n, "top_k": 2 * q * n * log_k + q * k * k * log_k,
+          "candidates": q * k * k, "weights": q * k + 5 * q * k, "values": 2 * q * k * value_dim}
+
+
+def test_pkm_memory_layer_by_hand():
+  """tiny with memory.kind=pkm: 4 heads of 64-d queries, 64 x 64 slots, top-8, 64-d values, gated output."""
+  c = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "pkm"})
+  t, d, heads, dq, n, k, dv = 128, 64, 4, 64, 64, 8, 64
+  m = flops.estimate(c, 1, t)["memory_layer"]["memory"]
+  lookup = _lookup_by_hand(t * heads, dq // 2, n, k, dv)
+  assert {key: v for key, v in m["lookup"].items() if key != "total"} == lookup
+  assert m["query"] == 2 * t * d * heads * dq and m["norm"] == t * (4 * d + 4) and m["residual"] == t * d
+  assert m["output"] == {"total": 2 * (2 * t * d * dv) + 5 * t * dv, "gate": 2 * t * d * dv, "out": 2 * t * dv * d,
+                         "activation": 5 * t * dv}
+  assert m["total"] == t * (4 * d + 4) + 2 * t * d * heads * dq + sum(lookup.values()) + m["output"]["total"] + t * d
+  ln = flops.estimate(moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "pkm",
+                                                                  "memory.pkm_query_norm": "layernorm"}), 1, t)
+  assert ln["memory_layer"]["memory"]["lookup"]["query_norm"] == 2 * t * heads * (8 * dq // 2 + 8)
+  assert flops.estimate(c, 1, t)["selected_memory_tokens"] == t * heads * k
+  assert flops.model_flops_per_token(c) == 3 * flops.estimate(c, 1)["forward"]["total"] / 256  # one sequence
+
+
+def test_hml_memory_block_by_hand():
+  """tiny with memory.kind=hml: the block's attention without W_o (4/2 heads of 16, RoPE), every head's 16-d
+  output against its 64 + 64 sub-keys, top-8 rows of 16, the per-head 16 x 16 maps."""
+  c = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "hml"})
+  t, d, heads, dh, kv, n, k = 128, 64, 4, 16, 32, 64, 8
+  m = flops.estimate(c, 1, t)["memory_layer"]["memory"]
+  attention = 2 * t * d * d + 2 * (2 * t * d * kv) + 4 * t * t * d + 7 * heads * t * t
+  assert m["attention"]["total"] == attention and "o" not in m["attention"]
+  lookup = _lookup_by_hand(t * heads, dh // 2, n, k, dh)
+  assert {key: v for key, v in m["lookup"].items() if key != "total"} == lookup
+  assert m["maps"] == 2 * t * heads * dh * dh and m["rope"] == 3 * t * (d + kv)
+  assert m["total"] == t * (4 * d + 4) + attention + 3 * t * (d + kv) + sum(lookup.values()) + m["maps"] + t * d
+
+
+def test_iso_flop_width_of_every_kind():
+  """The iso-FLOP dense width (configs/moc.py `_iso_mlp_dim`) follows each kind's model FLOPs per token."""
+  moc = moc_jax.config.config_module("configs/moc.py")
+  for kind in ("chapters", "pkm", "hml"):
+    c = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": kind})
+    width = moc._iso_mlp_dim(c, c.memory.top_k)
+    dense = moc_jax.load_config("configs/moc.py:tiny", {"memory.enabled": False, "memory.placement": "none",
+                                                        "model.mlp_dim": width})
+    assert abs(flops.model_flops_per_token(dense) / flops.model_flops_per_token(c) - 1) < 0.02, kind
