@@ -1,0 +1,182 @@
+"""The capacity-bound fact store: `--config=configs/capacity.py:NAME`, and the sweeps `python -m
+experiments.capacity` runs (get_sweep below: preflight, gate, lr, arms, confirm).
+
+Does a memory pay where the dense model runs out of room? Compact biographies (data.facts.style=biography: all nine
+attributes of one entity in one line of 133 to 183 bytes with its EOS, so a 192-token row of whole documents holds
+one and never two: 79% of the slots scored, as with pad_truncate's rows; 256-token rows score 59%), entities drawn
+uniformly (zipf_a = 0), each read DOCS_PER_ENTITY times in one pass, against a backbone too small to hold them.
+
+Sizing (count_params, moc_jax.data.facts.fact_bits, moc_jax.flops; tests/experiments/test_capacity.py checks the
+ratios):
+
+  facts     42.97 bits per entity (Σ log2 of the nine value pools) x 2,048 entities = 88.0 kbit
+  narrow    d 32, 4 layers, 2 heads, SwiGLU 96: 49,440 parameters without the tied embedding (57,760 with it):
+            1.78 bits of facts per parameter
+  wide      d 64, 4 heads, SwiGLU 192 (the gate's): 197,184 (213,824): 0.45 bits per parameter
+  memories  each about 2.7x the narrow backbone, read by layers 1 and 3: a bank of 257 chapters x 16 tokens at d 32
+            (131,584; top-4, 936,273 model FLOPs per token), a pkm table of 64^2 slots x 32 (131,072; top-8, 2 heads;
+            802,348) or two hml tables of 64^2 x 16 (131,072; 919,756)
+  iso       the narrow backbone at SwiGLU 208 (92,448 without the embedding: 0.95 bits per parameter), 952,468 FLOPs
+            per token: +1.7% on the costliest memory arm, the bank
+
+A transformer stores at most about 2 bits of such facts per parameter, about 1 after 100 exposures (Allen-Zhu & Li,
+"Physics of Language Models, Part 3.3"): at 50 exposures the narrow backbone cannot hold the facts and the wide one
+can, with room to spare. Whether these small byte-level models take the facts up that fast is what the preflight
+measures: the same steps on PREFLIGHT_ENTITIES entities (400 exposures each).
+
+Time. A run is one pass: 102,400 documents, 3,200 steps of 32 rows = 19.7M row slots (15.6M real tokens). On the
+2-core AMD EPYC this was sized on, shared with other jobs (load 5 to 9), a narrow step took 0.23-0.40 s (15-27k
+row slots/s; two runs at once share the cores, no faster together), and the other models relative to it: iso 1.36x,
+MoC 1.2x, pkm 1.4x, hml 1.6x, wide about 2.8x (0.70 s). In narrow runs (3,200 steps): preflight 1; gate 1 + 0.5 +
+2.8 = 4.3; arms, the lr sweep 3 rates x a quarter x 5.6 = 4.2 and the runs 5.6; confirm 3 seeds x (at most 1.6 +
+1.36) = 8.9: 24 runs, 77k narrow steps, 6.4 h at 0.3 s a step, and 5 evaluations of 4,096 probes a run (about 20 s
+each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour.
+
+NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
+backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
+costliest memory arm, every bank projection its routing computes included), and `pkm`, `hml` where the schema has
+`memory.kind`.
+"""
+from moc_jax.config import schema, sibling
+
+moc = sibling(__file__, "moc")
+
+ENTITIES = 2048
+DOCS_PER_ENTITY = 50
+BATCH = 32                  # rows (documents) per update
+LR = 1e-2                   # every parameter group; the arms choose theirs on the `lr` sweep
+EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
+PREFLIGHT_ENTITIES = 256
+LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
+LR_STEPS = 0.25             # ... trained for this share of the steps
+SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
+                            # is the one the gate and the arms ran on, so the confirmation is on corpora nothing chose)
+NO_MEMORY = moc.NO_MEMORY
+# Twice the width (4x the parameters), at half the rate: Adam's step on a hidden matrix should shrink as its width
+# grows (muP), and the gate must not handicap either model with the other's rate.
+WIDE = {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192,
+        "train.base_lr": LR / 2, "train.memory_lr": LR / 2}
+# Memory arms: the overrides of the base config (itself the MoC arm) and the memory.kind each needs; an arm joins
+# the study when the schema knows its kind.
+MEMORY_ARMS = {
+    "moc": ({"memory.load_balance": "routed", "memory.routing": "prefix", "memory.routing_pool": "attention"},
+            "chapters"),
+    "pkm": ({"memory.kind": "pkm"}, "pkm"),
+    "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer"}, "hml"),  # MIDUS: a table per memory block
+}
+# Not built: the arm whose chapters are fetched by the document's entity rather than routed, which would tell a
+# router's failure from the bank's. It is one more entry of MEMORY_ARMS (its overrides and the routing mode it
+# needs); its iso-FLOP dense model, LR sweep, knock-out and confirmation follow from the entry.
+
+
+def memory_arms() -> dict:
+  """The MEMORY_ARMS whose memory.kind this schema has (`chapters` always: a schema without memory.kind has only it)."""
+  kinds = getattr(schema, "MEMORY_KINDS", ("chapters",))
+  return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
+
+
+def _study(c):
+  """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
+  biography corpus, one pass over it."""
+  c.model.update(vocab_size=260, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=96, max_seq_len=192)
+  c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=2, num_kv_heads=2,
+                  layer_indices=(1, 3))
+  c.update_from_flattened_dict(memory_arms()["moc"])
+  if "kind" in c.memory:
+    c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=32)
+  # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
+  c.data.update(seq_len=192, layout="pack_whole")
+  c.data.facts.update(style="biography", zipf_a=0.0, num_entities=ENTITIES, num_docs=ENTITIES * DOCS_PER_ENTITY,
+                      num_val_docs=512)
+  steps = ENTITIES * DOCS_PER_ENTITY // BATCH
+  # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
+  c.train.update(batch_size=BATCH, steps=steps, warmup_steps=steps // 32, decay_start_ratio=0.8, base_lr=LR,
+                 memory_lr=LR, bank_weight_decay=0.0, log_every=50, eval_every=steps // EVALS, eval_batches=None,
+                 num_probes=4096, checkpoint_every=steps // 4)
+  return c
+
+
+def _preflight(c) -> dict:
+  """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer) with the same documents
+  and steps, so each entity is read 8x as often: can it learn these facts at all, in the study's budget?"""
+  return {**NO_MEMORY, "data.facts.num_entities": min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))}
+
+
+def _with(c, overrides):
+  out = c.copy_and_resolve_references()
+  out.update_from_flattened_dict(overrides)
+  return out
+
+
+def _iso(c) -> dict:
+  """The iso-FLOP dense model: the backbone, SwiGLU widened to the model FLOPs per token of the costliest memory arm
+  (moc_jax.flops.model_flops_per_token: every bank projection its routing computes, once per micro-batch where the
+  micro-batch shares it; configs/moc.py's sizing). One dense model for every arm: a cheaper arm that beats it beats a
+  dense model of more FLOPs than its own."""
+  from moc_jax.flops import model_flops_per_token
+  costliest = max((_with(c, arm) for arm in memory_arms().values()), key=model_flops_per_token)
+  return {**NO_MEMORY, "model.mlp_dim": moc._iso_mlp_dim(costliest, costliest.memory.top_k)}
+
+
+def _arms(c) -> list[dict]:
+  """Every memory arm, and the iso-FLOP dense model."""
+  return [*memory_arms().values(), _iso(c)]
+
+
+def _lr(c, arm) -> list[dict]:
+  return [{**arm, "train.base_lr": float(f"{m * c.train.base_lr:.3g}"),
+           "train.memory_lr": float(f"{m * c.train.memory_lr:.3g}")} for m in LR_MULTIPLES]
+
+
+def _gate(c):
+  """The narrow backbone, the same with half the steps (its own schedule: does doubling the exposures still add
+  recall?), and the backbone at twice the width."""
+  return [NO_MEMORY, {**NO_MEMORY, "train.steps": c.train.steps // 2}, {**NO_MEMORY, **WIDE}]
+
+
+def _lr_sweep(c):
+  """Each arm at each rate of LR_MULTIPLES for LR_STEPS of the steps: where its learning rate is chosen."""
+  steps = {"train.steps": max(1, int(c.train.steps * LR_STEPS))}
+  return [{**p, **steps} for arm in _arms(c) for p in _lr(c, arm)]
+
+
+def _arms_sweep(c):
+  """Each arm at each rate, the config's steps (the harness runs each arm at the rate the `lr` sweep chose)."""
+  return [p for arm in _arms(c) for p in _lr(c, arm)]
+
+
+def _confirm(c):
+  """The `arms` points once per seed of SEEDS, each seed on its own corpus (the harness runs the best memory arm
+  and its iso-FLOP dense model, at their rates)."""
+  return [{**p, "data.facts.seed": s + 1, "seed": s, "data.seed": s} for s in SEEDS for p in _arms_sweep(c)]
+
+
+SWEEPS = {"preflight": lambda c: [_preflight(c)], "gate": _gate, "lr": _lr_sweep, "arms": _arms_sweep,
+          "confirm": _confirm}
+
+
+def get_sweep(name, config):
+  """Sweep `name` of `config` (the base, `moc`, at the harness's size): a list of {dotted field: value} overrides."""
+  if name not in SWEEPS:
+    raise ValueError(f"unknown sweep {name!r}; known: {sorted(SWEEPS)}")
+  return SWEEPS[name](config)
+
+
+def _models() -> dict:
+  """NAME -> the overrides of the base that make it, as a function of the base."""
+  out = {"moc": lambda c: {}, "dense": lambda c: NO_MEMORY, "wide": lambda c: {**NO_MEMORY, **WIDE},
+         "preflight": _preflight, "iso": _iso}
+  for name, arm in memory_arms().items():
+    out[name] = lambda c, arm=arm: arm
+  return out
+
+
+def get_config(arg="moc"):
+  models = _models()
+  name, mods = schema.parse_arg(arg, models)
+  if mods:
+    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(mods)}; configs/capacity.py takes none")
+  base = _study(schema.base_config())
+  base.update_from_flattened_dict(models[name](base))
+  base.name = f"capacity-{name.replace('=', '-')}"
+  return base

@@ -1,0 +1,434 @@
+"""`python -m experiments.capacity --out=DIR [--stages=preflight,gate,arms,confirm] [--quick] [--parallel=2]
+[--config=configs/capacity.py:moc]`
+
+Does a memory pay where the dense model runs out of room? configs/capacity.py sizes a store of facts against a
+backbone too small to hold them (its docstring holds the arithmetic); this command runs the study in four stages,
+each a sweep of that config run to completion in DIR/<sweep>/ (resumable and idempotent like launch/sweep.py: a
+finished run is never trained again, an interrupted one resumes from its checkpoint), and writes DIR/capacity.md:
+
+  preflight  the narrow backbone on a few hundred entities, each read as often as in the study: can it learn these
+             facts at all?
+  gate       the narrow backbone, the same with half the steps, and the backbone at twice its width, one seed: is the
+             regime capacity-bound?
+  arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
+             for a quarter of the steps (DIR/lr/), then each arm at the rate with the best recall (DIR/arms/)
+  confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
+             seed on a corpus of its own.
+
+Every run scores fact recall (likelihood choice among 4 candidates, chance 0.25) and greedy exact match on 4,096
+probes of facts it saw (train.num_probes: a binomial standard error of at most 0.0078) at evaluations along it: the
+learning curve, DIR/<sweep>/recall_vs_tokens.png. Every run with memory is evaluated once more with its memory
+knocked out (`python -m moc_jax.eval --ablate_chapters=routed`: every routable chapter, or every value slot, zeroed).
+
+The gate (gate_verdict) passes when all three hold:
+  learnable      the preflight's recall is at least PREFLIGHT_RECALL: the narrow backbone learns these facts when
+                 there are few of them;
+  plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE from the run with half the steps to the
+                 full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
+                 included; within one run, recall stalls at a constant learning rate and jumps during the decay
+                 whatever bounds it (docs/results/2026-11-26-smaller-backbone.md);
+  room           the wide model's recall beats the narrow one's by at least GATE_GAP and GATE_Z combined
+                 binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
+                 plateau is below the facts it saw.
+No memory result counts without it: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
+a gate that passed, and the report judges no goal without one. `--quick` (tiny shapes that test the harness in
+minutes; CI runs it) runs every stage whatever the gate says, and its report still judges no goal.
+
+The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model on recall with Welch's t of at
+least GOAL_T over the seeds, and knocking its memory out removes at least GOAL_HELD of its recall above chance (mean
+over seeds).
+
+--stages runs some stages (the default size takes hours: split it over invocations or machines sharing DIR); a stage
+left out is not run, but capacity.md reports what DIR holds of it. At the start of each stage the command prints the
+corpus's bits of facts beside each model's parameters.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from absl import flags
+
+from experiments import harness
+from experiments.evaluation import eval_seconds, evaluate_runs
+from experiments.sweeps import report
+from experiments.sweeps.launch import run_to_completion
+from experiments.sweeps.plan import is_moc, plan, run_name
+from experiments.sweeps.runs import MANIFEST, final_eval, read_metrics
+from moc_jax import cli
+
+FLAGS = flags.FLAGS
+
+STAGES = ("preflight", "gate", "arms", "confirm")
+SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
+CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
+PREFLIGHT_RECALL = 0.9
+PLATEAU_RISE = 0.02
+GATE_GAP, GATE_Z = 0.05, 3.0
+GOAL_T, GOAL_HELD = 3.0, 0.5
+# What the stages' points vary beyond the arm itself: the arm of a point is its run name without them.
+RUN_KEYS = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
+# The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities, 4 rows a step, 16
+# steps, the first memory arm only (the stages treat every arm alike) and two seeds in `confirm` (Welch's t needs two).
+SIZES = {
+    "default": {"shapes": {}, "seeds": (0, 1, 2)},
+    "quick": {"shapes": {"data.facts.num_entities": 16, "data.facts.num_docs": 64, "data.facts.num_val_docs": 16,
+                         "train.batch_size": 4, "train.steps": 16, "train.warmup_steps": 1, "train.eval_every": 4,
+                         "train.checkpoint_every": 8, "train.log_every": 4, "train.num_probes": 32,
+                         "train.eval_batches": 1},
+              "seeds": (0, 1), "memory_arms": 1},
+}
+
+
+def define_flags():
+  """This command's flags (defined only when it runs: other entry points define their own)."""
+  harness.define_flags("capacity", "preflight/, gate/, lr/, arms/, confirm/, capacity.md",
+                       "preflight, gate, lr, arms and confirm define the runs")
+  FLAGS.set_default("config", "configs/capacity.py:moc")
+  flags.DEFINE_list("stages", list(STAGES), "The stages to run, of preflight, gate, arms, confirm; the others are "
+                    "reported from what DIR holds of them.")
+
+
+# ---- the verdicts ----------------------------------------------------------------------------------------
+
+def binomial_se(recall, probes) -> float:
+  return math.sqrt(recall * (1 - recall) / probes) if probes else math.nan
+
+
+def gate_verdict(preflight, narrow, half, wide) -> dict:
+  """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
+  met, numbers)]}; a check whose runs are missing is not met."""
+  checks = []
+  if preflight is None:
+    checks.append(("learnable", False, "no finished preflight"))
+  else:
+    checks.append(("learnable", preflight["recall"] >= PREFLIGHT_RECALL,
+                   f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})"))
+  if narrow is None or half is None:
+    checks.append(("plateaued", False, "no finished narrow runs"))
+  else:
+    rise = narrow["recall"] - half["recall"]
+    checks.append(("plateaued", rise <= PLATEAU_RISE,
+                   f"narrow recall {half['recall']:.3f} at half the steps, {narrow['recall']:.3f} at all of them: "
+                   f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g})"))
+  if narrow is None or wide is None:
+    checks.append(("room", False, "no finished narrow and wide runs"))
+  else:
+    gap = wide["recall"] - narrow["recall"]
+    z = gap / math.hypot(binomial_se(wide["recall"], wide["probes"]), binomial_se(narrow["recall"], narrow["probes"]))
+    checks.append(("room", gap >= GATE_GAP and z >= GATE_Z,
+                   f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {gap:+.3f}, {z:+.1f} "
+                   f"combined standard errors (needs ≥ {GATE_GAP:+g} and ≥ {GATE_Z:g})"))
+  return {"passed": all(met for _, met, _ in checks), "checks": checks}
+
+
+def welch_t(a, b) -> tuple[float, float]:
+  """Welch's t of mean(a) - mean(b) and its degrees of freedom (NaN when either sample has no spread)."""
+  from scipy import stats
+  result = stats.ttest_ind(a, b, equal_var=False)
+  return float(result.statistic), float(result.df)
+
+
+def goal_verdict(memory, dense) -> dict:
+  """The goal on the confirmation's runs: `memory` [{recall, knockout}] and `dense` [{recall}], one per seed.
+  {met, t, df, held, memory: (mean, se), dense: (mean, se), knockout: (mean, se)}; `held` is the share of the memory
+  arm's recall above chance that its knock-out removes, from the means."""
+  recall = [r["recall"] for r in memory]
+  knockout = [r["knockout"] for r in memory]
+  t, df = welch_t(recall, [r["recall"] for r in dense])
+  mean, knocked = sum(recall) / len(recall), sum(knockout) / len(knockout)
+  held = (mean - knocked) / (mean - CHANCE) if mean > CHANCE else math.nan
+  return {"met": t >= GOAL_T and held >= GOAL_HELD, "t": t, "df": df, "held": held,
+          "memory": report.mean_and_se(recall), "dense": report.mean_and_se([r["recall"] for r in dense]),
+          "knockout": report.mean_and_se(knockout)}
+
+
+# ---- the runs of a stage ---------------------------------------------------------------------------------
+
+def arm_of(overrides, shapes) -> str:
+  """A point's arm: the run name of its overrides without what the stages vary around it (rate, steps, seed,
+  corpus) and the size's `shapes` every point shares."""
+  return run_name({k: v for k, v in overrides.items() if k not in RUN_KEYS and shapes.get(k, ()) != v})
+
+
+def _plan(spec, sweep, size):
+  """The sweep's points at this size: its shapes as the base of every point (a point keeps what it sets itself), the
+  first `memory_arms` memory arms if the size names how many."""
+  points = plan(spec, sweep, base=size["shapes"])
+  memory = list(dict.fromkeys(arm_of(p.overrides, size["shapes"]) for p in points if is_moc(p.config)))
+  kept = memory[:size.get("memory_arms", len(memory))]
+  return [p for p in points if not is_moc(p.config) or arm_of(p.overrides, size["shapes"]) in kept]
+
+
+def read_runs(out, sweep, size) -> list[dict] | None:
+  """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
+  (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated), `curve`
+  [(training tokens, recall, exact match)] and `eval_s`; None when DIR has no such sweep."""
+  from moc_jax.config import load_run_config
+  sweep_dir = os.path.join(out, sweep)
+  if not os.path.exists(os.path.join(sweep_dir, MANIFEST)):
+    return None
+  runs = []
+  for row in report.run_rows(sweep_dir):
+    run = {**row, "arm": arm_of(row["overrides"], size["shapes"]), "eval_s": eval_seconds(row["workdir"])}
+    if row["status"] == "done":
+      config = load_run_config(row["workdir"])
+      per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len
+      final = final_eval(row["workdir"], config.train.steps)
+      run.update(lr=config.train.base_lr, probes=final.get("num_probes", 0), recall=row["fact_recall"],
+                 knockout=row.get("recall_without_bank"), memory=is_moc(config),
+                 curve=[(r["step"] * per_step, r["probe_acc"], r["probe_exact"]) for r in read_metrics(row["workdir"])
+                        if r.get("split") == "validation" and "probe_acc" in r])
+      run["recall_se"] = binomial_se(run["recall"], run["probes"])
+    runs.append(run)
+  return runs
+
+
+def _done(runs) -> list[dict]:
+  return [r for r in runs or () if r["status"] == "done"]
+
+
+def _by_name(runs, name) -> dict | None:
+  return next((r for r in _done(runs) if r["run"] == name), None)
+
+
+def choose_rates(lr_runs) -> dict:
+  """arm -> its rate: the finished `lr` run of the arm with the highest recall (then the lower validation CE)."""
+  best = {}
+  for r in _done(lr_runs):
+    if r["arm"] not in best or (r["recall"], -r["val_ce"]) > (best[r["arm"]]["recall"], -best[r["arm"]]["val_ce"]):
+      best[r["arm"]] = r
+  return {arm: r["lr"] for arm, r in best.items()}
+
+
+def choose_confirmed(arm_runs) -> tuple[dict, dict] | None:
+  """(the memory arm's run with the best recall (then the lower CE), the dense arm's run nearest it in FLOPs per
+  token: its iso-FLOP dense model) among the finished `arms` runs; None without both."""
+  done = _done(arm_runs)
+  memory = [r for r in done if r["memory"]]
+  dense = [r for r in done if not r["memory"]]
+  if not memory or not dense:
+    return None
+  best = max(memory, key=lambda r: (r["recall"], -r["val_ce"]))
+  return best, min(dense, key=lambda r: abs(r["flops_per_token"] - best["flops_per_token"]))
+
+
+def sweep_points(spec, sweep, size, runs) -> list:
+  """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `arms` each arm at the
+  rate the `lr` runs chose, `confirm` the memory arm of `arms` with the best recall and the iso-FLOP dense model at
+  their rates, once per seed of the size; the other sweeps all their points. Raises UsageError when `arms` is not
+  finished for `confirm`."""
+  from moc_jax.errors import UsageError
+  points = _plan(spec, sweep, size)
+  if sweep == "arms":
+    rates = choose_rates(runs.get("lr"))
+  elif sweep == "confirm":
+    chosen = choose_confirmed(runs.get("arms"))
+    done = {r["arm"] for r in _done(runs.get("arms"))}
+    planned = {arm_of(p.overrides, size["shapes"]) for p in _plan(spec, "arms", size)}
+    if chosen is None or done != planned:
+      raise UsageError(f"stage confirm needs every arm of stage arms finished ({len(done)} of {len(planned)}); run "
+                       "--stages=arms first")
+    rates = {r["arm"]: r["lr"] for r in chosen}
+    points = [p for p in points if p.config.seed in size["seeds"]]
+  else:
+    return points
+  return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
+
+
+def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
+  """Trains `points` in DIR/<sweep> to completion, evaluates those with memory with it knocked out, collects the
+  sweep's tables and plots the learning curves."""
+  sweep_dir = os.path.join(out, sweep)
+  run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
+  evaluate_runs([(os.path.join(sweep_dir, p.name), True) for p in points if is_moc(p.config)], parallel, "capacity")
+  report.collect(sweep_dir)
+  plot_curves(read_runs(out, sweep, size), os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
+
+
+def capacity_lines(points, shapes) -> list[str]:
+  """Per distinct model and corpus of `points`: the bits of facts its training states beside its parameters."""
+  from moc_jax import count_params
+  from moc_jax.data.facts import fact_bits
+  lines, seen = [], set()
+  for p in points:
+    key = (arm_of(p.overrides, shapes), p.config.data.facts.num_entities, p.config.data.facts.num_docs)
+    if key in seen:
+      continue
+    seen.add(key)
+    bits, counts = fact_bits(p.config.data.facts), count_params(p.config)
+    backbone = counts["backbone"] - p.config.model.vocab_size * p.config.model.d_model
+    memory = counts["bank"] + counts["memory_layers"]
+    lines.append(f"{key[0]}: {bits['total'] / 1e3:,.1f} kbit of facts ({bits['entities']:,} entities x "
+                 f"{bits['per_entity']:.2f} bits) against {backbone:,} parameters without the embedding"
+                 + (f" + {memory:,} of memory" if memory else "")
+                 + f": {bits['total'] / (backbone + memory):.3g} bits per parameter")
+  return lines
+
+
+# ---- the report ------------------------------------------------------------------------------------------
+
+def plot_curves(runs, path, title) -> None:
+  """Recall (solid) and exact match (dotted) against training tokens, one colour per run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  done = [r for r in _done(runs) if r["curve"]]
+  if not done:
+    return
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for r in done:
+    tokens, recall, exact = zip(*r["curve"])
+    line = ax.plot(tokens, recall, "o-", ms=3, label=r["run"])[0]
+    ax.plot(tokens, exact, ":", color=line.get_color())
+  ax.axhline(CHANCE, color="grey", lw=0.8, ls="--")
+  ax.set_xlabel("training tokens (row slots)"), ax.set_ylabel("fact recall (solid), exact match (dotted)")
+  ax.set_title(title), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _num(value, digits=3) -> str:
+  return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def runs_table(runs) -> list[str]:
+  lines = ["| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | recall, memory knocked out | "
+           "val CE | wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in runs:
+    if r["status"] != "done":
+      lines.append(f"| {r['run']} | | | | | {r['status']}: {r.get('note', '')} | | | | |")
+      continue
+    lines.append(f"| {r['run']} | {r['lr']:g} | {r['steps']:,} | {r['tokens']:,} | {r['flops_per_token']:,.0f} | "
+                 f"{r['recall']:.3f} ± {r['recall_se']:.3f} | {r['exact_match']:.3f} | {_num(r['knockout'])} | "
+                 f"{r['val_ce']:.4f} | {r['wall_s']:,.0f} |")
+  return lines
+
+
+def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
+  """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), the gate's
+  verdict, the goal's, the wall times."""
+  flag = " --quick" if size_name == "quick" else ""
+  lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
+           f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) on "
+           "the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
+           "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed).", ""]
+  titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
+            "gate": "Stage `gate`: narrow, narrow at half the steps, wide",
+            "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",
+            "arms": "Stage `arms`: every arm at its rate", "confirm": "Stage `confirm`: one run per seed and corpus"}
+  for stage in STAGES:
+    for sweep in SWEEPS[stage]:
+      if runs.get(sweep) is None:
+        continue
+      note = [] if stage in wall else ["Not run by this invocation: what DIR holds.", ""]
+      lines += [f"## {titles[sweep]}", "", *note, *runs_table(runs[sweep]), "",
+                f"![recall vs tokens]({sweep}/recall_vs_tokens.png)", ""]
+  lines += ["## The gate: " + ("**passed**" if gate["passed"] else "**not passed**"), "",
+            "| check | met | numbers |", "|---|---|---|"]
+  lines += [f"| {name} | {'yes' if met else '**no**'} | {numbers} |" for name, met, numbers in gate["checks"]]
+  lines += ["", "## The goal", ""]
+  if goal is None:
+    lines.append("Not judged: DIR holds no finished confirmation.")
+  else:
+    verdict = ("**met**" if goal["met"] else "**not met**") if gate["passed"] else (
+        "not counted: the gate did not pass, so the regime is not shown to be capacity-bound")
+    m, d, k = goal["memory"], goal["dense"], goal["knockout"]
+    lines += [f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
+              f"{d[0]:.3f} ± {_num(d[1])} ({goal['dense_arm']}; mean ± standard error over {goal['n']} seeds and "
+              f"corpora): Welch's t {goal['t']:+.2f} ({goal['df']:.1f} degrees of freedom; needs ≥ {GOAL_T:g}). "
+              f"Its memory knocked out, it recalls {k[0]:.3f} ± {_num(k[1])}: the memory holds {_num(goal['held'])} "
+              f"of its recall above chance (needs ≥ {GOAL_HELD:g})."]
+  if refusal:
+    lines += ["", f"Stopped: {refusal}"]
+  lines += ["", "## Wall time", "", "| stage | runs (s, summed) | evaluations (s, summed) | this invocation (s) |",
+            "|---|---:|---:|---:|"]
+  for stage in STAGES:
+    held = [r for sweep in SWEEPS[stage] for r in runs.get(sweep) or ()]
+    if held or stage in wall:
+      lines.append(f"| {stage} | {sum(r.get('wall_s') or 0 for r in held):,.0f} | "
+                   f"{sum(r['eval_s'] for r in held):,.0f} | {_num(wall.get(stage), 0)} |")
+  return "\n".join(lines) + "\n"
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+
+def _gate(spec, size, runs) -> dict:
+  """gate_verdict on the preflight and gate runs DIR holds (planned to find them by name)."""
+  def score(sweep, name):
+    r = _by_name(runs.get(sweep), name)
+    return None if r is None else {"recall": r["recall"], "probes": r["probes"]}
+  preflight = _plan(spec, "preflight", size)[0].name
+  narrow, half, wide = (p.name for p in _plan(spec, "gate", size))
+  return gate_verdict(score("preflight", preflight), score("gate", narrow), score("gate", half), score("gate", wide))
+
+
+def _goal(runs) -> dict | None:
+  """goal_verdict on the confirmation DIR holds: the memory arm's runs and the dense arm's, over seeds."""
+  done = _done(runs.get("confirm"))
+  memory = [r for r in done if r["memory"] and r["knockout"] is not None]
+  dense = [r for r in done if not r["memory"]]
+  if len(memory) < 2 or len(dense) < 2:
+    return None
+  return {**goal_verdict(memory, dense), "arm": memory[0]["arm"], "dense_arm": dense[0]["arm"], "n": len(memory)}
+
+
+def run(out, spec, quick, parallel, stages=STAGES) -> str:
+  """Runs `stages` in order and writes DIR/capacity.md over every stage DIR holds; returns its text. A stage whose
+  prerequisite is missing (arms and confirm: a gate that passed, unless quick; confirm: every arm finished) stops
+  the command with one line, after the report."""
+  from moc_jax.errors import UsageError
+  from moc_jax.train.peaks import cpu_model
+  unknown = sorted(set(stages) - set(STAGES))
+  if unknown or not stages:
+    raise UsageError(f"--stages={','.join(stages)}: name one or more of {', '.join(STAGES)}")
+  size_name = "quick" if quick else "default"
+  size, out = SIZES[size_name], os.path.abspath(out)
+  os.makedirs(out, exist_ok=True)
+  runs = {sweep: read_runs(out, sweep, size) for stage in STAGES for sweep in SWEEPS[stage]}
+  wall, refusal = {}, None
+  for stage in STAGES:
+    if stage not in stages:
+      continue
+    gate = _gate(spec, size, runs)
+    if stage in ("arms", "confirm") and not gate["passed"] and not quick:
+      failed = "; ".join(numbers for _, met, numbers in gate["checks"] if not met)
+      refusal = (f"stage {stage} not run: the gate has not passed ({failed}); no memory result counts without it "
+                 "(run --stages=preflight,gate first)")
+      break
+    t0 = time.time()
+    for sweep in SWEEPS[stage]:
+      try:
+        todo = sweep_points(spec, sweep, size, runs)
+      except UsageError as e:
+        refusal = str(e)
+        break
+      print(f"capacity: stage {stage}, sweep {sweep} ({len(todo)} runs):", *capacity_lines(todo, size["shapes"]),
+            sep="\n  ", flush=True)
+      _run_sweep(out, spec, sweep, todo, parallel, size)
+      runs[sweep] = read_runs(out, sweep, size)
+    if refusal:
+      break
+    wall[stage] = time.time() - t0
+  machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
+  text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine)
+  with open(os.path.join(out, "capacity.md"), "w") as f:
+    f.write(text)
+  if refusal:
+    print(text)
+    raise UsageError(refusal)
+  return text
+
+
+def main(argv):
+  cli.begin(argv)
+  harness.check_parallel(FLAGS.parallel)
+  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.stages))
+  print(f"{FLAGS.out}/capacity.md")
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(main)

@@ -1,0 +1,243 @@
+"""The capacity study (experiments/capacity.py, configs/capacity.py): the gate's rule and the goal's on hand-made
+scores, Welch's t against a hand computation, the config's sizes, and the stage logic (refusals, resuming, a finished
+run never trained twice) with training faked. The harness end to end runs in CI (`python -m experiments.capacity
+--quick`, .ci/run) and in the slow test below."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import capacity
+from experiments.sweeps import launch
+from moc_jax.errors import UsageError
+
+SPEC = "configs/capacity.py:moc"
+WIDE = "dense-d_model64-num_heads4-num_kv_heads2-mlp192-base_lr0.005-memory_lr0.005"
+QUICK = capacity.SIZES["quick"]
+
+
+def score(recall, probes=4096):
+  return {"recall": recall, "probes": probes}
+
+
+def checks(verdict):
+  return {name: met for name, met, _ in verdict["checks"]}
+
+
+def test_the_gate_passes_when_learnable_plateaued_and_the_wide_model_holds_more():
+  verdict = capacity.gate_verdict(score(0.97, 2304), score(0.52), score(0.51), score(0.70))
+  assert verdict["passed"] and checks(verdict) == {"learnable": True, "plateaued": True, "room": True}
+  assert "+0.010 (needs ≤ +0.02)" in verdict["checks"][1][2]
+  assert "+0.180, +17.0 combined standard errors" in verdict["checks"][2][2]
+
+
+@pytest.mark.parametrize("preflight, narrow, half, wide, failed", [
+    (0.60, 0.52, 0.51, 0.70, "learnable"),  # the backbone cannot learn these facts at all
+    (0.97, 0.52, 0.45, 0.70, "plateaued"),  # twice the exposures still buy recall: exposure-bound
+    (0.97, 0.52, 0.51, 0.55, "room"),       # the wide model holds hardly more: not capacity that binds
+    (0.97, 0.52, 0.51, 0.58, "room"),       # 6 points, but on too few probes to be clear (2.4 standard errors)
+    (0.97, 0.52, 0.51, 0.51, "room"),       # both stuck: the wide model is no better
+])
+def test_the_gate_fails_each_way(preflight, narrow, half, wide, failed):
+  probes = 400 if failed == "room" and wide == 0.58 else 4096
+  verdict = capacity.gate_verdict(score(preflight), score(narrow, probes), score(half, probes), score(wide, probes))
+  assert not verdict["passed"]
+  assert [name for name, met in checks(verdict).items() if not met] == [failed]
+
+
+def test_the_gate_without_its_runs_does_not_pass():
+  verdict = capacity.gate_verdict(None, score(0.5), None, None)
+  assert checks(verdict) == {"learnable": False, "plateaued": False, "room": False}
+  assert verdict["checks"][0][2] == "no finished preflight"
+
+
+def test_welch_t_against_a_hand_computation():
+  a, b = [0.62, 0.60, 0.65], [0.50, 0.55, 0.49]
+  mean_a, mean_b = sum(a) / 3, sum(b) / 3
+  var_a = sum((x - mean_a) ** 2 for x in a) / 2
+  var_b = sum((x - mean_b) ** 2 for x in b) / 2
+  t = (mean_a - mean_b) / math.sqrt(var_a / 3 + var_b / 3)
+  df = (var_a / 3 + var_b / 3) ** 2 / ((var_a / 3) ** 2 / 2 + (var_b / 3) ** 2 / 2)
+  assert capacity.welch_t(a, b) == pytest.approx((t, df))
+
+
+def test_the_goal_needs_t_and_a_memory_that_holds_the_recall():
+  dense = [{"recall": r} for r in (0.50, 0.55, 0.49)]
+  memory = [{"recall": r, "knockout": k} for r, k in ((0.62, 0.30), (0.60, 0.33), (0.65, 0.28))]
+  goal = capacity.goal_verdict(memory, dense)
+  assert goal["met"] and goal["t"] > 3
+  assert goal["held"] == pytest.approx((0.62333 - 0.30333) / (0.62333 - 0.25), rel=1e-4)
+  weak = [{**m, "knockout": m["recall"] - 0.1} for m in memory]  # the backbone holds most of it
+  assert not capacity.goal_verdict(weak, dense)["met"]
+  close = [{"recall": r, "knockout": 0.25} for r in (0.56, 0.50, 0.55)]  # held, but not clearly ahead
+  assert not capacity.goal_verdict(close, dense)["met"]
+
+
+def test_the_config_sizes_the_study_from_capacity():
+  """The narrow backbone cannot hold the default corpus's facts at 1 bit per parameter; the wide one can; the memories
+  are of one size; every biography fits its row whole; the iso-FLOP dense model is within 2% of the MoC arm's FLOPs."""
+  from moc_jax import count_params, load_config
+  from moc_jax.flops import model_flops_per_token
+  from moc_jax.data.facts import fact_bits
+  narrow, wide, moc = (load_config(f"configs/capacity.py:{n}") for n in ("dense", "wide", "moc"))
+  bits = fact_bits(narrow.data.facts)["total"]
+  embedding = lambda c: c.model.vocab_size * c.model.d_model
+  assert count_params(narrow)["backbone"] - embedding(narrow) < bits / 1.5
+  assert count_params(wide)["backbone"] - embedding(wide) > 2 * bits
+  assert count_params(moc)["bank"] > 2 * (count_params(narrow)["backbone"] - embedding(narrow))
+  assert narrow.data.seq_len >= 183  # the longest biography and its EOS
+  iso = load_config("configs/capacity.py:iso")
+  assert model_flops_per_token(iso) / model_flops_per_token(moc) == pytest.approx(1, abs=0.02)
+  assert not iso.memory.enabled and iso.model.d_model == narrow.model.d_model
+
+
+def test_the_sweeps():
+  from experiments.sweeps.plan import plan
+  gate = plan(SPEC, "gate")
+  assert [p.name for p in gate] == ["dense", "dense-steps1600", WIDE]
+  lr = plan(SPEC, "lr")
+  arms = {capacity.arm_of(p.overrides, {}) for p in lr}
+  assert {"routed-prefix-attention", "dense-mlp208"} <= arms and len(lr) == 3 * len(arms)
+  assert {p.config.train.steps for p in lr} == {800}
+  confirm = plan(SPEC, "confirm", only=["routed-prefix-attention-base_lr0.01-memory_lr0.01-corpus2-seed1"])
+  assert (confirm[0].config.seed, confirm[0].config.data.facts.seed) == (1, 2)
+
+
+# ---- the stage logic, with training faked -------------------------------------------------------------------
+
+def _fake_training(trained, recall):
+  """subprocess.Popen of moc_jax.main for the launcher: writes the run's config.json (the command's config, parsed as
+  moc_jax.main parses it) and a validation row at step 0 and at the end (recall(name)), and records the run's name."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  class Run:
+    def __init__(self, cmd, **kw):
+      argv = ["main", *(a for a in cmd if a.startswith("--config"))]
+      values = flags.FlagValues()
+      config_flags.DEFINE_config_file("config", None, "", flag_values=values, sys_argv=argv)
+      values(argv)
+      workdir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+      trained.append(os.path.basename(workdir))
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(values.config.to_json())
+      steps = values.config.train.steps
+      with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "split": "validation", "ce": 1.0, "probe_acc": a, "probe_exact": 0.0,
+                                 "num_probes": 4096}) + "\n" for s, a in ((0, 0.25), (steps, recall(trained[-1]))))
+
+    def wait(self):
+      return 0
+  return Run
+
+
+@pytest.fixture
+def faked(monkeypatch):
+  """Training and evaluation faked: the preflight recalls 0.95, the gate's runs what `recalls` says (a passing gate
+  by default), the other runs 0.5, +0.1 at the rate 0.01, +0.05 with memory, +0.01 on the second seed; a knock-out
+  leaves 0.3."""
+  trained, evaluated = [], []
+  recalls = {"dense": 0.5, "dense-steps8": 0.49, WIDE: 0.7}
+
+  def recall(name):
+    if name.startswith("dense-num_entities"):
+      return 0.95
+    return recalls.get(name, 0.5 + 0.1 * ("base_lr0.01-" in name) + 0.05 * (not name.startswith("dense"))
+                       + 0.01 * name.endswith("corpus2-seed1"))
+
+  def evaluate_runs(runs, parallel, harness):
+    for workdir, memory in runs:
+      evaluated.append(os.path.basename(workdir))
+      with open(os.path.join(workdir, "eval.json"), "w") as f:
+        json.dump({"ablation": {"spec": "routed", "fact_recall": {"probe_acc": 0.3}}}, f)
+  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, recall))
+  monkeypatch.setattr(capacity, "evaluate_runs", evaluate_runs)
+  monkeypatch.setattr(capacity, "plot_curves", lambda *a: None)
+  return trained, evaluated, recalls
+
+
+def test_a_bad_stage_is_refused_before_anything_runs(tmp_path):
+  with pytest.raises(UsageError, match="--stages=gate,gat: name one or more of preflight, gate, arms, confirm"):
+    capacity.run(str(tmp_path), SPEC, True, 1, stages=["gate", "gat"])
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "experiments.capacity", f"--out={tmp_path}", "--stages=gat"],
+                        capture_output=True, text=True)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines() == [
+      "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
+
+
+GATE_RUNS = ["dense-num_entities2", "dense", "dense-steps8", WIDE]
+
+
+def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, faked):
+  trained, _, _ = faked
+  out = str(tmp_path)
+  os.makedirs(tmp_path / "gate" / "dense")  # a run stopped before its end: run again (moc_jax.main resumes it)
+  capacity.run(out, SPEC, True, 1, stages=["preflight", "gate"])
+  assert trained == GATE_RUNS
+  text = capacity.run(out, SPEC, True, 1, stages=["preflight", "gate"])
+  assert trained == GATE_RUNS  # every run had finished: none trained again
+  assert "## The gate: **passed**" in text
+  assert "Not run by this invocation" not in text
+  text = capacity.run(out, SPEC, True, 1, stages=["preflight"])
+  assert text.count("Not run by this invocation: what DIR holds.") == 1  # the gate, reported from DIR
+
+
+def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
+  """At the default size's rules (here with the quick size's shapes) stage arms is refused, after the report, while
+  DIR holds no gate, and while the gate it holds fails (here on its plateau: exposure-bound)."""
+  trained, _, recalls = faked
+  out = str(tmp_path)
+  monkeypatch.setitem(capacity.SIZES, "default", QUICK)
+  with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .no finished preflight"):
+    capacity.run(out, SPEC, False, 1, stages=["arms"])
+  assert trained == [] and "Stopped: stage arms not run" in (tmp_path / "capacity.md").read_text()
+  recalls["dense-steps8"] = 0.40
+  with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .narrow recall 0.400"):
+    capacity.run(out, SPEC, False, 1, stages=["preflight", "gate", "arms"])
+  assert trained == GATE_RUNS
+  with pytest.raises(UsageError, match="stage confirm not run: the gate has not passed"):
+    capacity.run(out, SPEC, False, 1, stages=["confirm"])
+
+
+def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
+  """Every stage at the quick size: each arm trained at three rates for a quarter of the steps, then at the rate with
+  the best recall; the confirmation runs the memory arm and the iso-FLOP dense model at their rates, one run per
+  seed and corpus; every run with memory is knocked out once; a second invocation trains nothing."""
+  trained, evaluated, _ = faked
+  out = str(tmp_path)
+  text = capacity.run(out, SPEC, True, 1)
+  arms = ["routed-prefix-attention", "dense-mlp256"]
+  rates = ("0.00333", "0.01", "0.03")
+  assert trained == GATE_RUNS + [f"{a}-base_lr{r}-memory_lr{r}-steps4" for a in arms for r in rates] + [
+      f"{a}-base_lr0.01-memory_lr0.01" for a in arms] + [
+      f"{a}-base_lr0.01-memory_lr0.01-corpus{s + 1}-seed{s}" for s in (0, 1) for a in arms]
+  assert evaluated == [n for n in trained if n.startswith("routed")]
+  assert "## The goal\n\nnot counted: the gate did not pass" not in text  # the faked gate passes
+  assert ("**met**. routed-prefix-attention recalls 0.655 ± 0.005 against the iso-FLOP dense model's 0.605 ± 0.005 "
+          "(dense-mlp256; mean ± standard error over 2 seeds and corpora): Welch's t +7.07") in text
+  count = len(trained)
+  capacity.run(out, SPEC, True, 1)
+  assert len(trained) == count  # nothing trained twice
+
+
+def test_confirm_needs_every_arm(tmp_path, faked):
+  trained, _, _ = faked
+  with pytest.raises(UsageError, match="stage confirm needs every arm of stage arms finished .0 of 2"):
+    capacity.run(str(tmp_path), SPEC, True, 1, stages=["confirm"])
+
+
+@pytest.mark.slow
+def test_quick_end_to_end(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "experiments.capacity", "--quick", f"--out={tmp_path}",
+                         "--parallel=1"], capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = (tmp_path / "capacity.md").read_text()
+  assert "## The gate" in text and "## The goal" in text and "## Wall time" in text
