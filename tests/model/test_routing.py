@@ -235,7 +235,8 @@ def test_memory_layer_matches_numpy(overrides):
   from flax import nnx
 
   import moc_jax
-  cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.compute_dtype": "float32", **overrides})
+  cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.compute_dtype": "float32", "memory.routing": "sequence",
+                                                   "memory.load_balance": "mocpt", **overrides})  # MoC-PT's mode
   layer = memory.MemoryLayer(cfg, nnx.Rngs(params=0))
   rng = np.random.default_rng(len(overrides))
   d, mem = cfg.model.d_model, cfg.memory
