@@ -42,9 +42,13 @@ class Block(nnx.Module):
     self.attn_norm, self.attn = RMSNorm(d, eps), SelfAttention(cfg, rngs)
     self.mlp_norm, self.mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
     self.memory = MEMORY_MODULES[cfg.memory.kind](cfg, rngs) if has_memory else None
-    self.memory_first = has_memory and cfg.memory.kind == "hml"
     if self.variant == "B":
       self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
+
+  @property
+  def memory_first(self) -> bool:
+    """Whether the memory is a block of its own that runs before this one (hml), not a read inside it."""
+    return isinstance(self.memory, HMLBlock)
 
   def __call__(self, h, positions, mask, valid, segments, bank):
     """-> (h, router stats of the block's memory read, or None)."""
