@@ -34,8 +34,9 @@ flags.DEFINE_integer("num_probes", None, "Fact-recall probes (default train.num_
 flags.DEFINE_list("bucket_edges", [str(e) for e in DOC_BUCKET_EDGES],
                   "Training-document counts where the recall buckets start.")
 flags.DEFINE_bool("analyze_routing", True, "Chapter usage, entropy, stability and plots per memory layer.")
-flags.DEFINE_string("ablate_chapters", None, "Zero these chapters of the bank and report the CE and fact-recall "
-                    "change: comma-separated ids, top:N (the N most used) or routed (every routable chapter).")
+flags.DEFINE_string("ablate_chapters", None, "Zero these chapters of the bank (value slots of a pkm / hml table) and "
+                    "report the CE and fact-recall change: comma-separated ids, top:N (the N most used) or routed "
+                    "(every routable chapter; every slot of a table).")
 flags.DEFINE_enum("quantize_bank", None, ["int8", "int4"], "Also evaluate with the bank stored as int8 / int4 "
                   "per-row absmax codes (moc_jax/model/quantize.py) and report the change against the float bank.")
 FLAGS = flags.FLAGS

@@ -21,6 +21,7 @@ from flax import nnx
 
 from moc_jax import cli, sharding
 from moc_jax.checkpoint import saved_steps, checkpoint_dir
+from moc_jax.config import bank_shape
 from moc_jax.errors import ConfigError
 from moc_jax.state import build_state, restore_params
 
@@ -48,7 +49,7 @@ def motion(workdir: str) -> list[dict]:
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = build_state(config, mesh)
-    chapters = config.memory.num_chapters
+    chapters = bank_shape(config).rows  # chapters, or a pkm / hml table's slots
     init = bank_of(layout.init()["params"], chapters)
     rows, previous = [], None
     for step in saved_steps(checkpoint_dir(workdir)):

@@ -24,8 +24,8 @@ ROUTING_STATS = ("shared_mass", "routed_entropy", "pool_share")
 
 class CEEvaluator:
   """CE and perplexity over `batches`, one jitted forward per batch. With `routing=True` the step also
-  returns the routing decisions (aux `chapters`) and the routers' per-layer `ROUTING_STATS` for the call's
-  `on_routing`; without, it computes CE alone (the training loop's evaluation)."""
+  returns the routing decisions (aux `chapters`, or a product-key memory's `slots`) and the routers' per-layer
+  `ROUTING_STATS` for the call's `on_routing`; without, it computes CE alone (the training loop's evaluation)."""
 
   def __init__(self, graphdef, p_shard, batch_sharding, batches, routing=False):
     self.batches, self.sharding, self.routing = batches, batch_sharding, routing
@@ -35,9 +35,9 @@ class CEEvaluator:
       nll, count = next_token_nll(logits, batch["labels"])
       if not routing:
         return nll, count
-      if "chapters" not in aux:
+      if "chapters" not in aux and "slots" not in aux:
         return nll, count, None
-      return nll, count, {k: everywhere(aux[k]) for k in ("chapters", *ROUTING_STATS) if k in aux}
+      return nll, count, {k: everywhere(aux[k]) for k in ("chapters", "slots", *ROUTING_STATS) if k in aux}
 
     self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
 

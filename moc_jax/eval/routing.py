@@ -17,6 +17,10 @@ Ablation: chosen chapters of the bank are set to zero and the split's CE measure
 layer's input, not the bank: the first memory layer picks the same chapters, later ones may pick others once
 an earlier read has changed. The change is what the chapters' contents contribute, through the reads and
 through that rerouting (a chapter no decision picks changes nothing, exactly).
+
+The product-key kinds (memory.kind pkm, hml) are analysed the same way with value slots for chapters: usage
+counts every head's k slots at every real position, `routed` zeroes the whole table (no slot is always read),
+and stability is not measured.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moc_jax import sharding
-from moc_jax.config import bank_ids, memory_layers
+from moc_jax.config import bank_ids, bank_shape, memory_layers
 from moc_jax.errors import ConfigError
 from moc_jax.eval.scoring import chunk_rows, everywhere, in_chunks, pad_rows
 from moc_jax.router_health import load_stats
@@ -54,35 +58,40 @@ def routed_ids(chapters, routing: str, num_shared: int):
 
 
 class Usage:
-  """Routed selections per (memory layer, chapter) over the decisions of the batches given to `add`."""
+  """Routed selections per (memory layer, bank row) over the decisions of the batches given to `add`: chapters,
+  or the value slots of product-key lookups (`unit`), one decision per real position."""
 
   def __init__(self, config):
-    mem = config.memory
+    mem, bank = config.memory, bank_shape(config)
     self.layers, self.banks = memory_layers(config), bank_ids(config)
-    self.routing, self.chunk, self.num_shared = mem.routing, mem.routing_chunk, mem.num_shared
-    self.counts = np.zeros((len(self.layers), mem.num_chapters), np.int64)
+    self.unit = "chapters" if mem.kind == "chapters" else "slots"
+    self.routing, self.chunk, self.num_shared = mem.routing, mem.routing_chunk, bank.always_read
+    self.counts = np.zeros((len(self.layers), bank.rows), np.int64)
     self.decisions = 0
     self.router_sums, self.batches = {}, 0  # per-layer router statistics summed over batches
 
   def add(self, routing, attention_mask) -> None:
-    """routing: one batch's aux `chapters` and per-layer router statistics (eval.ce.ROUTING_STATS);
-    attention_mask: its [B, L] mask."""
-    chapters = np.asarray(routing["chapters"])
-    per_position = chapters.ndim == 4 and chapters.shape[2] == np.shape(attention_mask)[1]  # packed chunk rows too
-    valid = decision_mask(attention_mask, "prefix" if per_position else self.routing, self.chunk)
-    ids = routed_ids(chapters, self.routing, self.num_shared)
+    """routing: one batch's aux `chapters` and per-layer router statistics (eval.ce.ROUTING_STATS), or its aux
+    `slots`; attention_mask: its [B, L] mask."""
+    if "slots" in routing:
+      valid, ids = np.asarray(attention_mask).astype(bool), np.asarray(routing["slots"])
+    else:
+      chapters = np.asarray(routing["chapters"])
+      per_position = chapters.ndim == 4 and chapters.shape[2] == np.shape(attention_mask)[1]  # packed chunk rows
+      valid = decision_mask(attention_mask, "prefix" if per_position else self.routing, self.chunk)
+      ids = routed_ids(chapters, self.routing, self.num_shared)
     for i in range(len(self.layers)):
       self.counts[i] += np.bincount(ids[i][valid].reshape(-1), minlength=self.counts.shape[1])
     self.decisions += int(valid.sum())
     for k, v in routing.items():
-      if k != "chapters":
+      if k not in ("chapters", "slots"):
         self.router_sums[k] = self.router_sums.get(k, 0.0) + np.asarray(v, np.float64)
     self.batches += 1
 
   def stats(self) -> list[dict]:
-    """Per memory layer: selections, coverage, max/mean load, usage entropy (nats), the most used chapters, and
-    the router's mean shared-chapter mass and routable-softmax entropy over the batches."""
-    out = []
+    """Per memory layer: selections, coverage, max/mean load, usage entropy (nats), the most used rows (chapters
+    or slots: `unit`), and the router's mean shared-chapter mass and routable-softmax entropy over the batches."""
+    out, unit = [], self.unit
     for i, (layer, bank) in enumerate(zip(self.layers, self.banks)):
       routable = self.counts[i, self.num_shared:]
       total = int(routable.sum())
@@ -90,13 +99,13 @@ class Usage:
       entropy = float(-(p * np.log(p)).sum())
       top = np.argsort(-routable, kind="stable")[:10]
       out.append({"layer": layer, "bank": bank, "decisions": self.decisions, "routed_selections": total,
-                  "chapters_selected": int((routable > 0).sum()),
-                  "chapters_selected_frac": float((routable > 0).mean()),
+                  f"{unit}_selected": int((routable > 0).sum()),
+                  f"{unit}_selected_frac": float((routable > 0).mean()),
                   "max_load": load_stats(self.counts[i], self.num_shared)["max_load"],
                   "usage_entropy": entropy, "usage_entropy_max": math.log(len(routable)),
-                  "effective_chapters": math.exp(entropy),
+                  f"effective_{unit}": math.exp(entropy),
                   **{k: float(v[i] / self.batches) for k, v in self.router_sums.items()},
-                  "top_chapters": [[int(c + self.num_shared), int(routable[c])] for c in top if routable[c]],
+                  f"top_{unit}": [[int(c + self.num_shared), int(routable[c])] for c in top if routable[c]],
                   "counts": self.counts[i].tolist()})
     return out
 
@@ -187,12 +196,13 @@ def stability(router, params, probes, tokenizer, config) -> list[dict]:
 
 def parse_ablation(spec: str, config):
   """`--ablate_chapters`: ("top", N) for `top:N`, ("routed", None) for `routed` (every routable chapter: the
-  bank's content without the shared chapters, to ask how much of the model's knowledge lives in it), or
-  ("ids", [chapter ids]); ConfigError naming the fix."""
+  bank's content without the shared chapters, to ask how much of the model's knowledge lives in it; a product-key
+  table's every slot), or ("ids", [chapter or slot ids]); ConfigError naming the fix."""
   if not memory_layers(config):
     raise ConfigError("--ablate_chapters: this model has no memory bank")
-  num_chapters = config.memory.num_chapters
-  fix = f"use comma-separated chapter ids in [0, {num_chapters}), top:N or routed"
+  num_chapters = bank_shape(config).rows
+  unit = "chapter" if config.memory.kind == "chapters" else "slot"
+  fix = f"use comma-separated {unit} ids in [0, {num_chapters}), top:N or routed"
   spec = spec.strip()
   if spec == "routed":
     return "routed", None
@@ -205,7 +215,7 @@ def parse_ablation(spec: str, config):
   except ValueError:
     ids = []
   if not ids or any(not 0 <= c < num_chapters for c in ids):
-    raise ConfigError(f"--ablate_chapters={spec!r}: not a list of chapter ids in range — {fix}")
+    raise ConfigError(f"--ablate_chapters={spec!r}: not a list of {unit} ids in range — {fix}")
   return "ids", ids
 
 
@@ -229,12 +239,12 @@ def ablation_mask(parsed, usage: Usage):
 
 
 def zero_chapters(params, mask):
-  """params with bank chapters `mask` [banks, num_chapters] set to zero, in the device layout (padding
-  and sharding kept)."""
+  """params with bank rows (chapters, or value slots) `mask` [banks, rows] set to zero, in the device layout
+  (padding and sharding kept)."""
   def zero(x):
     full = np.zeros(x.shape[:2], bool)
     full[:, :mask.shape[1]] = mask
-    return jax.jit(lambda x, m: jnp.where(m[:, :, None, None], jnp.zeros_like(x), x),
+    return jax.jit(lambda x, m: jnp.where(m.reshape(m.shape + (1,) * (x.ndim - 2)), jnp.zeros_like(x), x),
                    out_shardings=x.sharding)(x, full)
   return sharding.map_bank(lambda x, bank: zero(x) if bank else x, params)
 
@@ -254,7 +264,7 @@ def plot(usage: Usage, heatmap_path: str, histogram_path: str) -> None:
   fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(usage.layers)))
   im = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis")
   ax.set_yticks(range(len(usage.layers)), [f"layer {layer}" for layer in usage.layers])
-  ax.set_xlabel(f"routable chapters ranked by total usage (of {routable.shape[1]}); {usage.decisions} decisions")
+  ax.set_xlabel(f"routable {usage.unit} ranked by total usage (of {routable.shape[1]}); {usage.decisions} decisions")
   fig.colorbar(im, ax=ax, label="share of selections")
   fig.tight_layout()
   fig.savefig(heatmap_path, dpi=100)
@@ -263,7 +273,7 @@ def plot(usage: Usage, heatmap_path: str, histogram_path: str) -> None:
   bins = np.histogram_bin_edges(routable, bins=min(40, int(routable.max()) + 1))
   for layer, row in zip(usage.layers, routable):
     ax.hist(row, bins=bins, histtype="step", label=f"layer {layer}: {int((row == 0).sum())} never selected")
-  ax.set_xlabel("selections of a chapter"), ax.set_ylabel("chapters"), ax.legend(), ax.grid(alpha=0.3)
+  ax.set_xlabel(f"selections of a {usage.unit[:-1]}"), ax.set_ylabel(usage.unit), ax.legend(), ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(histogram_path, dpi=100)
   plt.close(fig)

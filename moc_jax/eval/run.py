@@ -85,6 +85,9 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   ablation = ra.parse_ablation(o.ablate_chapters, config) if o.ablate_chapters else None
   if o.quantize_bank and not memory_layers(config):
     raise ConfigError(f"--quantize_bank={o.quantize_bank}: {config.name} has no memory bank to quantize")
+  if o.quantize_bank and config.memory.kind != "chapters":
+    raise ConfigError(f"--quantize_bank={o.quantize_bank}: quantized banks are chapter banks; the value table of "
+                      f"memory.kind={config.memory.kind} is evaluated in float32 only — drop --quantize_bank")
   out_path = os.path.abspath(o.out or os.path.join(workdir, "eval.json"))
   tokenizer = model_tokenizer(config)
   mesh = sharding.make_mesh(config)
@@ -113,12 +116,14 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
                        for name, (fmt, path, qs) in questions.items()}
     report["files"] = {"eval_json": out_path}
     if usage is not None and o.analyze_routing:
-      report["routing"] = {"routing": config.memory.routing, "load_balance": config.memory.load_balance,
-                           "num_shared": config.memory.num_shared, "layers": usage.stats()}
+      chapters = config.memory.kind == "chapters"
+      report["routing"] = {"kind": config.memory.kind, "routing": config.memory.routing if chapters else "product keys",
+                           "load_balance": config.memory.load_balance if chapters else None,
+                           "num_shared": usage.num_shared, "layers": usage.stats()}
       spread = ra.balance_bias_spread(params, config.memory.num_shared)
       for layer, value in zip(report["routing"]["layers"], spread or ()):
         layer["bias_spread"] = value
-      if probes:
+      if probes and chapters:
         report["routing"]["stability"] = ra.stability(ra.Router(graphdef), params, probes, tokenizer, config)
       stem = os.path.splitext(out_path)[0]
       report["files"].update(routing_heatmap=stem + "_routing_heatmap.png", routing_usage=stem + "_routing_usage.png")
@@ -132,7 +137,7 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
       mask = ra.ablation_mask(ablation, usage)
       zeroed = ra.zero_chapters(params, mask)
       ce = split_eval(zeroed)["ce"]
-      report["ablation"] = {"spec": o.ablate_chapters,
+      report["ablation"] = {"spec": o.ablate_chapters, "unit": usage.unit,
                             "chapters": {str(b): np.flatnonzero(m).tolist() for b, m in enumerate(mask)},
                             "selections_share": _selection_share(usage, mask), "ce": ce, "ce_delta": ce - report["ce"]}
       if probes:  # the same probes without those chapters: how much of the recall they hold
@@ -233,7 +238,14 @@ def markdown_table(report: dict) -> str:
               f"{_pm(r['acc_norm'], r['acc_norm_stderr'])} | {r['chance']:.3f} |"
               for name, r in report["mcq"].items()]
   routing = report.get("routing")
-  if routing:
+  if routing and routing.get("kind", "chapters") != "chapters":
+    lines += ["", f"memory ({routing['kind']}: value slots read by the product keys, every head and real position):",
+              "", "| memory layer | slots ever read | max / mean load | usage entropy / max (nats) | effective slots |",
+              "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['layer']} | {r['slots_selected']} ({r['slots_selected_frac']:.1%}) | {r['max_load']:.2f} | "
+              f"{r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | {r['effective_slots']:.1f} |"
+              for r in routing["layers"]]
+  elif routing:
     stab = {s["layer"]: s for s in routing.get("stability", [])}
     lines += ["", f"routing ({routing['routing']}; shared chapters not counted):", "",
               "| memory layer | chapters ever selected | max / mean load | usage entropy / max (nats) | "
@@ -258,7 +270,7 @@ def markdown_table(report: dict) -> str:
   ab = report.get("ablation")
   if ab:
     n = max(len(v) for v in ab["chapters"].values())
-    lines += ["", f"ablation `{ab['spec']}` ({n} chapters zeroed): CE {report['ce']:.4f} -> {ab['ce']:.4f} "
+    lines += ["", f"ablation `{ab['spec']}` ({n} {ab.get('unit', 'chapters')} zeroed): CE {report['ce']:.4f} -> {ab['ce']:.4f} "
               f"({ab['ce_delta']:+.3g})"
               + (f"; fact recall {report['fact_recall']['probe_acc']:.3f} -> {ab['fact_recall']['probe_acc']:.3f}"
                  if "fact_recall" in ab else "")]
