@@ -111,6 +111,21 @@ def test_bank_scaling_routers(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.slow
+def test_bank_scaling_product_keys(capsys):
+  """--kind=pkm: sizes are value slots (n^2), each with its own sub-keys; a size that is not a square is refused."""
+  r = _run(bank_scaling, [f"--config={TINY}", "--kind=pkm", "--batch_size=2", "--sizes=4096,16384", "--rounds=1",
+                          "--optimizer_reps=1", "--settle_s=0", "--optimizers=lazy_adam", *SHORT], capsys)
+  assert [(s["slots"], s["sub_keys"], s["bank_params"]) for s in r["sizes"]] == [(4096, 64, 4096 * 64),
+                                                                                 (16384, 128, 16384 * 64)]
+  g = r["growth"]["pkm"]["lazy_adam"]
+  assert g["flops_growth"] > 1 and g["step_growth_over_flops"] == pytest.approx(g["step_growth"] / g["flops_growth"])
+  assert r["pass"] == {"pkm": g["step_growth"] <= 1.1} and (r["top_k"], r["heads"]) == (8, 4)
+  with pytest.raises(SystemExit) as e:
+    bank_scaling.main([f"--config={TINY}", "--kind=pkm", "--sizes=5000"])
+  assert e.value.code == 2
+
+
 def test_xla_vs_analytic(capsys):
   # 4 layers: 2 scanned groups. MoC-PT's sequence routing, as the paper model's goal was set for: under tiny's
   # per-position routing at 32 tokens the XLA read pads each chapter's tile of pairs to 32 rows (kernels_pallas
