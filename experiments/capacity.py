@@ -6,8 +6,8 @@ backbone too small to hold them (its docstring holds the arithmetic); this comma
 each a sweep of that config run to completion in DIR/<sweep>/ (resumable and idempotent like launch/sweep.py: a
 finished run is never trained again, an interrupted one resumes from its checkpoint), and writes DIR/capacity.md:
 
-  preflight  the narrow backbone on a few hundred entities, each read as often as in the study: can it learn these
-             facts at all?
+  preflight  the narrow backbone on an eighth of the entities (256 at the default size), the same documents and
+             steps, so each entity is read 8x as often: can it learn these facts at all?
   gate       the narrow backbone, the same with half the steps, and the backbone at twice its width, one seed: is the
              regime capacity-bound?
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
@@ -16,27 +16,29 @@ finished run is never trained again, an interrupted one resumes from its checkpo
              seed on a corpus of its own.
 
 Every run scores fact recall (likelihood choice among 4 candidates, chance 0.25) and greedy exact match on 4,096
-probes of facts it saw (train.num_probes: a binomial standard error of at most 0.0078) at evaluations along it: the
-learning curve, DIR/<sweep>/recall_vs_tokens.png. Every run with memory is evaluated once more with its memory
-knocked out (`python -m moc_jax.eval --ablate_chapters=routed`: every routable chapter, or every value slot, zeroed).
+probes of facts it saw (train.num_probes: a binomial standard error of at most 0.0078; every fact, where the corpus
+has fewer) at evaluations along it: the learning curve, DIR/<sweep>/recall_vs_tokens.png. Every run with memory is
+evaluated once more with its memory knocked out (`python -m moc_jax.eval --ablate_chapters=routed`: every routable
+chapter, or every value slot, zeroed).
 
 The gate (gate_verdict) passes when all three hold:
-  learnable      the preflight's recall is at least PREFLIGHT_RECALL: the narrow backbone learns these facts when
-                 there are few of them;
-  plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE from the run with half the steps to the
-                 full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
+  learnable      the preflight's recall is at least PREFLIGHT_RECALL = 0.9: the narrow backbone learns these facts
+                 when there are few of them;
+  plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE = 0.02 from the run with half the steps to
+                 the full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
                  included; within one run, recall stalls at a constant learning rate and jumps during the decay
                  whatever bounds it (docs/results/2026-11-26-smaller-backbone.md);
-  room           the wide model's recall beats the narrow one's by at least GATE_GAP and GATE_Z combined
+  room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
                  binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
                  plateau is below the facts it saw.
 No memory result counts without it: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
 a gate that passed, and the report judges no goal without one. `--quick` (tiny shapes that test the harness in
-minutes; CI runs it) runs every stage whatever the gate says, and its report still judges no goal.
+minutes; CI runs it) runs every stage whatever the gate says, and its report still counts no goal without a gate
+that passed.
 
 The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model on recall with Welch's t of at
-least GOAL_T over the seeds, and knocking its memory out removes at least GOAL_HELD of its recall above chance (mean
-over seeds).
+least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its recall above
+chance (means over seeds).
 
 --stages runs some stages (the default size takes hours: split it over invocations or machines sharing DIR); a stage
 left out is not run, but capacity.md reports what DIR holds of it. At the start of each stage the command prints the
@@ -124,7 +126,7 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
 
 
 def welch_t(a, b) -> tuple[float, float]:
-  """Welch's t of mean(a) - mean(b) and its degrees of freedom (NaN when either sample has no spread)."""
+  """Welch's t of mean(a) - mean(b) and its degrees of freedom (infinite or NaN when neither sample varies)."""
   from scipy import stats
   result = stats.ttest_ind(a, b, equal_var=False)
   return float(result.statistic), float(result.df)
