@@ -239,14 +239,16 @@ def sweep_points(spec, sweep, size, runs) -> list:
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
 
 
-def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
+def _run_sweep(out, spec, sweep, points, parallel, size) -> list[dict]:
   """Trains `points` in DIR/<sweep> to completion, evaluates those with memory with it knocked out, collects the
-  sweep's tables and plots the learning curves."""
+  sweep's tables and plots the learning curves; returns what DIR/<sweep> then holds (read_runs)."""
   sweep_dir = os.path.join(out, sweep)
   run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
   evaluate_runs([(os.path.join(sweep_dir, p.name), True) for p in points if is_moc(p.config)], parallel, "capacity")
   report.collect(sweep_dir)
-  plot_curves(read_runs(out, sweep, size), os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
+  runs = read_runs(out, sweep, size)
+  plot_curves(runs, os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
+  return runs
 
 
 def capacity_lines(points, shapes) -> list[str]:
@@ -409,8 +411,7 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
         break
       print(f"capacity: stage {stage}, sweep {sweep} ({len(todo)} runs):", *capacity_lines(todo, size["shapes"]),
             sep="\n  ", flush=True)
-      _run_sweep(out, spec, sweep, todo, parallel, size)
-      runs[sweep] = read_runs(out, sweep, size)
+      runs[sweep] = _run_sweep(out, spec, sweep, todo, parallel, size)
     if refusal:
       break
     wall[stage] = time.time() - t0
