@@ -56,8 +56,16 @@ def read_slots(bank, ids, weights, sum_heads):
 
 
 def bag(table, ids, weights):
-  """sum_s weights[..., s] * table[ids[..., s]] -> [..., d] float32 (table [N, d] on this device)."""
-  return jnp.einsum("...s,...sd->...d", weights.astype(jnp.float32), table.take(ids, axis=0).astype(jnp.float32))
+  """sum_s weights[..., s] * table[ids[..., s]] -> [..., d] float32 (table [N, d] on this device), a slot at a
+  time: each step gathers one row per position and adds it, and the backward pass gathers it again, so no
+  [..., S, d] array of the rows read is ever built (S = heads x k rows per position)."""
+  @jax.checkpoint
+  def add(total, slot):
+    i, w = slot
+    return total + w[..., None] * table.take(i, axis=0).astype(jnp.float32), None
+
+  slots = (jnp.moveaxis(ids, -1, 0), jnp.moveaxis(weights.astype(jnp.float32), -1, 0))
+  return jax.lax.scan(add, jnp.zeros(ids.shape[:-1] + table.shape[-1:], jnp.float32), slots)[0]
 
 
 def read_rows(table, ids, weights):
