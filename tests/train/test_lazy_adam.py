@@ -25,6 +25,7 @@ from moc_jax import state as state_lib
 from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
 from moc_jax.train import step as step_lib
+from tests.train import train_utils as tu
 from tests.asserts import assert_same_bytes
 from tests.sharding.test_mesh import run_json
 
@@ -216,15 +217,6 @@ STEP = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "tra
 STEPS = 3
 
 
-def batch(config, seed):
-  """One update's rows (grad_accum micro-batches), seeded random tokens with some right padding."""
-  rng = np.random.default_rng(seed)
-  rows = config.train.batch_size * config.train.grad_accum
-  ids = rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
-  mask = np.ones_like(ids)
-  mask[::3, -5:] = 0
-  return {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
-
 
 def probe(graphdef, config, params, rows):
   """(chapters whose bank gradient is nonzero, chapters some decision named), bool [banks, chapters], for
@@ -262,11 +254,11 @@ def trained():
     look = jax.jit(functools.partial(probe, layout.graphdef, config))
     bs, named = config.train.batch_size, []
     for s in range(STEPS):
-      rows = batch(config, s)
+      rows = tu.random_batch(config, s)
       micro = [jax.tree.map(lambda x: x[i * bs:(i + 1) * bs], rows) for i in range(config.train.grad_accum)]
       named.append(np.any([np.asarray(look(state["params"], mb)[1]) for mb in micro], axis=0))
       state, _ = step(state, jax.device_put(rows, data_sharding))
-    support, last_named = look(state["params"], jax.tree.map(lambda x: x[:bs], batch(config, 99)))
+    support, last_named = look(state["params"], jax.tree.map(lambda x: x[:bs], tu.random_batch(config, 99)))
   return Trained(config, layout, init_bank, state, np.stack(named), np.asarray(support), np.asarray(last_named))
 
 
@@ -305,7 +297,7 @@ def test_a_skipped_nonfinite_update_leaves_counts_and_moments_unchanged(trained,
     state = jax.tree.map(jnp.copy, trained.state)
     data_sharding = sharding.data_sharding(config, mesh)
     step = step_lib.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, data_sharding)
-    state, metrics = step(state, jax.device_put(batch(config, 0), data_sharding))
+    state, metrics = step(state, jax.device_put(tu.random_batch(config, 0), data_sharding))
   assert int(metrics["nonfinite"]) == 1
   assert_same_bytes({k: state[k] for k in ("params", "opt_state")}, before)
 
@@ -341,7 +333,7 @@ def sharded_run(name):
     data_sharding = sharding.data_sharding(config, mesh)
     step = step_lib.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, data_sharding)
     for s in range(STEPS):
-      state, _ = step(state, jax.device_put(batch(config, s), data_sharding))
+      state, _ = step(state, jax.device_put(tu.random_batch(config, s), data_sharding))
     lazy = lazy_state(state["opt_state"])
     real = config.memory.num_chapters
     padded = [bank_leaf(t)[:, real:] for t in (state["params"]["bank"], lazy.mu, lazy.nu, lazy.count)]

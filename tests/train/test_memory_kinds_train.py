@@ -24,6 +24,7 @@ from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
 from moc_jax.model.build import param_groups
 from moc_jax.train import step as step_lib
+from tests.train import train_utils as tu
 
 BASE = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "train.grad_accum": 2,
         "train.warmup_steps": 0, "train.schedule": "constant", "memory.sharing": "per_layer",
@@ -31,14 +32,6 @@ BASE = {"model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2, "tra
         "model.compute_dtype": "float32"}
 STEPS = 3
 
-
-def batch(config, seed):
-  rng = np.random.default_rng(seed)
-  rows = config.train.batch_size * config.train.grad_accum
-  ids = rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
-  mask = np.ones_like(ids)
-  mask[::3, -5:] = 0
-  return {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
 
 
 def named_rows(graphdef, config, params, rows):
@@ -71,12 +64,12 @@ def train(kind, optimizer, steps):
     look = jax.jit(functools.partial(named_rows, layout.graphdef, config))
     bs = config.train.batch_size
     for s in range(steps):
-      rows = batch(config, s)
+      rows = tu.random_batch(config, s)
       micro = [jax.tree.map(lambda x: x[i * bs:(i + 1) * bs], rows) for i in range(config.train.grad_accum)]
       out["named"].append(np.any([np.asarray(look(state["params"], mb)[1]) for mb in micro], axis=0))
       state, _ = step(state, jax.device_put(rows, data_sharding))
       out["states"].append(jax.tree.map(np.asarray, state))
-    support, last = look(state["params"], jax.tree.map(lambda x: x[:bs], batch(config, 99)))
+    support, last = look(state["params"], jax.tree.map(lambda x: x[:bs], tu.random_batch(config, 99)))
   return {**out, "named": np.stack(out["named"]), "support": np.asarray(support), "last": np.asarray(last)}
 
 
