@@ -27,7 +27,9 @@ The gate (gate_verdict) passes when all three hold:
   plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE = 0.02 from the run with half the steps to
                  the full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
                  included; within one run, recall stalls at a constant learning rate and jumps during the decay
-                 whatever bounds it (docs/results/2026-11-26-smaller-backbone.md);
+                 whatever bounds it (docs/results/2026-11-26-smaller-backbone.md). And the plateau is at least
+                 PLATEAU_FLOOR = 0.1 above chance: a backbone that holds nothing has not filled up, it has not
+                 started (a model at 1 bit per parameter would hold half the default's facts);
   room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
                  binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
                  plateau is below the facts it saw.
@@ -66,7 +68,7 @@ STAGES = ("preflight", "gate", "arms", "confirm")
 SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
 CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
 PREFLIGHT_RECALL = 0.9
-PLATEAU_RISE = 0.02
+PLATEAU_RISE, PLATEAU_FLOOR = 0.02, 0.1
 GATE_GAP, GATE_Z = 0.05, 3.0
 GOAL_T, GOAL_HELD = 3.0, 0.5
 # What the stages' points vary beyond the arm itself: the arm of a point is its run name without them.
@@ -111,9 +113,9 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
     checks.append(("plateaued", False, "no finished narrow runs"))
   else:
     rise = narrow["recall"] - half["recall"]
-    checks.append(("plateaued", rise <= PLATEAU_RISE,
+    checks.append(("plateaued", rise <= PLATEAU_RISE and narrow["recall"] >= CHANCE + PLATEAU_FLOOR,
                    f"narrow recall {half['recall']:.3f} at half the steps, {narrow['recall']:.3f} at all of them: "
-                   f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g})"))
+                   f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ {CHANCE + PLATEAU_FLOOR:g})"))
   if narrow is None or wide is None:
     checks.append(("room", False, "no finished narrow and wide runs"))
   else:

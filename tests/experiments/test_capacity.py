@@ -30,13 +30,14 @@ def checks(verdict):
 def test_the_gate_passes_when_learnable_plateaued_and_the_wide_model_holds_more():
   verdict = capacity.gate_verdict(score(0.97, 2304), score(0.52), score(0.51), score(0.70))
   assert verdict["passed"] and checks(verdict) == {"learnable": True, "plateaued": True, "room": True}
-  assert "+0.010 (needs ≤ +0.02)" in verdict["checks"][1][2]
+  assert "+0.010 (needs ≤ +0.02, at ≥ 0.35)" in verdict["checks"][1][2]
   assert "+0.180, +17.0 combined standard errors" in verdict["checks"][2][2]
 
 
 @pytest.mark.parametrize("preflight, narrow, half, wide, failed", [
     (0.60, 0.52, 0.51, 0.70, "learnable"),  # the backbone cannot learn these facts at all
     (0.97, 0.52, 0.45, 0.70, "plateaued"),  # twice the exposures still buy recall: exposure-bound
+    (0.97, 0.26, 0.26, 0.40, "plateaued"),  # flat at chance: the narrow backbone has not started, not filled up
     (0.97, 0.52, 0.51, 0.55, "room"),       # the wide model holds hardly more: not capacity that binds
     (0.97, 0.52, 0.51, 0.58, "room"),       # 6 points, but on too few probes to be clear (2.4 standard errors)
     (0.97, 0.52, 0.51, 0.51, "room"),       # both stuck: the wide model is no better
