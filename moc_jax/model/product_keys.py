@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moc_jax.model.layers import normalize_tokens, param_init
+from moc_jax.sharding import current, logical_spec
 
 
 def product_candidates(a: int, b: int, cells: int, k: int) -> tuple[int, int, int, int, int]:
@@ -67,9 +68,20 @@ class ProductKeys(nnx.Module):
         rngs.params(), (heads, 2, sub_keys, dim // 2)))
 
   def __call__(self, q):
-    """q [..., heads, dim] -> (slot ids [..., heads, k] int32, weights [..., heads, k] float32)."""
+    """q [B, ..., heads, dim] -> (slot ids [B, ..., heads, k] int32, weights [B, ..., heads, k] float32).
+
+    On a mesh each device looks up its own rows (a shard_map over the `batch` axes): GSPMD does not partition
+    `lax.top_k`, and would otherwise gather every device's scores to rank them."""
+    axes, mesh = current("batch")
+    if not axes:
+      return self._lookup(q, self.keys[...])
+    rows = logical_spec(mesh, "batch", *(None,) * (q.ndim - 1))
+    return jax.shard_map(self._lookup, mesh=mesh, in_specs=(rows, jax.P()), out_specs=(rows, rows))(
+        q, self.keys[...])
+
+  def _lookup(self, q, keys):
     halves = normalize_tokens(q.reshape(q.shape[:-1] + (2, q.shape[-1] // 2)), self.query_norm, self.eps)
-    scores = jnp.einsum("...hcd,hcnd->...hcn", halves.astype(self.dtype), self.keys[...].astype(self.dtype),
+    scores = jnp.einsum("...hcd,hcnd->...hcn", halves.astype(self.dtype), keys.astype(self.dtype),
                         preferred_element_type=jnp.float32)
     ids, top = product_top_k(scores[..., 0, :], scores[..., 1, :], self.top_k)
     return ids, jax.nn.softmax(top, axis=-1)
