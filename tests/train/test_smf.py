@@ -17,7 +17,8 @@ from moc_jax import state as state_lib
 from moc_jax.config import bank_ids
 from moc_jax.model.routing import read_weight
 from moc_jax.train import step as step_lib
-from tests.train.test_lazy_adam import bank_leaf, batch, lazy_state, run_updates, tiny_optimizer
+from tests.train.test_lazy_adam import bank_leaf, lazy_state, run_updates, tiny_optimizer
+from tests.train.train_utils import random_batch
 
 
 def numpy_smf_mask(read, banks_of_layer, idf, top_t, padded):
@@ -96,7 +97,7 @@ def train(overrides, idf, steps):
                                    None if idf is None else jnp.asarray(idf))
     history = []
     for s in range(steps):
-      state, metrics = step(state, jax.device_put(batch(config, s), data_sharding))
+      state, metrics = step(state, jax.device_put(random_batch(config, s), data_sharding))
       history.append(jax.tree.map(np.asarray, ({k: state[k] for k in ("params", "opt_state")}, metrics)))
   return config, init, history
 

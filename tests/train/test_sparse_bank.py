@@ -19,14 +19,14 @@ from moc_jax.config import bank_ids
 from moc_jax.losses import lm_loss
 from moc_jax.train import step as step_lib
 from tests.asserts import assert_same_bytes
-from tests.train.test_lazy_adam import batch
+from tests.train.train_utils import random_batch
 
 SMALL = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 2}
 
 
 def packed(config, seed):
   """Two packed documents per row (segment ids 1, 2; the last 4 positions padding)."""
-  rows = batch(config, seed)
+  rows = random_batch(config, seed)
   seg = np.ones_like(rows["input_ids"])
   seg[:, 12:] = 2
   seg[:, -4:] = 0
@@ -110,7 +110,7 @@ def _temp_bytes(chapters, overrides):
     layout = state_lib.build_state(config, mesh)
     data = sharding.data_sharding(config, mesh)
     step = step_lib.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, data)
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch(config, 0).items()}
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in random_batch(config, 0).items()}
     compiled = step.lower(layout.abstract, abstract_batch).compile()
   bank = layout.abstract["params"]["bank"]["memory"]
   return compiled.memory_analysis().temp_size_in_bytes, int(np.prod(bank.shape)) * 4
@@ -142,7 +142,7 @@ def _three_updates(overrides, tmp_path=None):
     data = sharding.data_sharding(config, mesh)
     step = step_lib.jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, data)
     for s in range(3):
-      state, _ = step(state, jax.device_put(batch(config, s), data))
+      state, _ = step(state, jax.device_put(random_batch(config, s), data))
     restored = None
     if tmp_path is not None:
       ck = ckpt_lib.Checkpointer(str(tmp_path), padding=layout.padding)
