@@ -8,43 +8,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import moc_jax
-from moc_jax import sharding
-from moc_jax import state as state_lib
 from moc_jax.errors import ConfigError
 from moc_jax.eval import routing as ra
-from moc_jax.eval.ce import CEEvaluator
 from moc_jax.eval.run import markdown_table
-from tests.eval.test_routing_analysis import _batches
+from tests.eval.eval_utils import EvalSetup
 
 
-class Setup:
+def _draw_values(model):
+  """hml's value table starts at zero (an inserted block is the identity): draw it so the table reaches the loss."""
+  model.bank.memory.set_value(jax.random.normal(jax.random.key(1), model.bank.memory[...].shape))
+
+
+class Setup(EvalSetup):
   """A tiny `kind` model (float32, 32 x 32 slots, top-2; pkm's W2 drawn, hml's values drawn, so the memory reaches the
   loss) on one device, with its split evaluator and slot usage over two fixed batches."""
 
   def __init__(self, kind):
-    self.config = moc_jax.load_config("configs/moc.py:tiny", {
-        "model.compute_dtype": "float32", "memory.kind": kind, "memory.pkm_sub_keys": 32, "memory.pkm_top_k": 2,
-        "memory.pkm_key_dim": 16, "memory.wo_init_zero": False, "model.max_seq_len": 32, "data.seq_len": 32,
-        "train.batch_size": 4})
-    self.mesh = sharding.make_mesh(self.config, jax.devices()[:1])
-    with sharding.activate(self.mesh, sharding.rules_of(self.config)):
-      layout = state_lib.build_state(self.config, self.mesh)
-      model = moc_jax.build_model(self.config, seed=0)
-      if kind == "hml":
-        model.bank.memory.set_value(jax.random.normal(jax.random.key(1), model.bank.memory[...].shape))
-      self.graphdef = layout.graphdef
-      self.params = jax.device_put(nnx.state(model, nnx.Param), layout.shardings["params"])
-      self.batches = _batches(self.config.model.vocab_size)
-      self.evaluator = CEEvaluator(layout.graphdef, layout.shardings["params"],
-                                   sharding.data_sharding(self.config, self.mesh), self.batches, routing=True)
-      self.usage = ra.Usage(self.config)
-      self.base = self.evaluator(self.params, self.usage.add)
-      self.lookups = jax.jit(lambda p, ids, mask: nnx.merge(self.graphdef, p)(ids, mask)[1]["slots"])
-
-  def ce(self, params):
-    with sharding.activate(self.mesh, sharding.rules_of(self.config)):
-      return self.evaluator(params)["ce"]
+    super().__init__({"memory.kind": kind, "memory.pkm_sub_keys": 32, "memory.pkm_top_k": 2, "memory.pkm_key_dim": 16,
+                      "memory.wo_init_zero": False}, _draw_values if kind == "hml" else lambda model: None)
+    self.lookups = jax.jit(lambda p, ids, mask: nnx.merge(self.graphdef, p)(ids, mask)[1]["slots"])
 
 
 @pytest.fixture(scope="module", params=["pkm", "hml"])

@@ -3,59 +3,27 @@ ablation (unused chapters change nothing, exactly; used ones change the loss), s
 prompts, plots and bad --ablate_chapters specs."""
 import math
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import moc_jax
 from moc_jax import causality, sharding
-from moc_jax.eval import routing as ra
 from moc_jax.errors import ConfigError
-from moc_jax.eval.ce import CEEvaluator
-from moc_jax import state as state_lib
+from moc_jax.eval import routing as ra
+from tests.eval.eval_utils import EvalSetup
 
 MODES = ("sequence", "token", pytest.param("prefix", marks=pytest.mark.slow), "chunk")  # prefix decides as token
 CHUNK = 8
 
 
-def _batches(vocab, seed=0):
-  """Two [4, 32] batches: full rows, right padding, a 5-token row and one all-padding row."""
-  rng = np.random.default_rng(seed)
-  out = []
-  for lengths in ((32, 20, 5, 32), (31, 32, 9, 0)):
-    ids = rng.integers(0, 256, (4, 32)).astype(np.int32)
-    mask = (np.arange(32)[None] < np.array(lengths)[:, None]).astype(np.int32)
-    ids = np.where(mask > 0, ids, 256)  # the byte tokenizer's pad id
-    out.append({"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100).astype(np.int32)})
-  return out
-
-
-class Setup:
+class Setup(EvalSetup):
   """A tiny model (float32, zero-initialised weights re-drawn so the memory reaches the loss) under one
   routing mode, on one device, with its split evaluator and usage over two fixed batches."""
 
   def __init__(self, routing):
-    self.config = moc_jax.load_config("configs/moc.py:tiny", {
-        "model.compute_dtype": "float32", "memory.routing": routing, "memory.routing_chunk": CHUNK,
-        "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 4})
-    self.mesh = sharding.make_mesh(self.config, jax.devices()[:1])
-    with sharding.activate(self.mesh, sharding.rules_of(self.config)):
-      layout = state_lib.build_state(self.config, self.mesh)
-      model = moc_jax.build_model(self.config, seed=0)
-      causality._redraw_zeros(model, seed=1)
-      self.graphdef = layout.graphdef
-      self.params = jax.device_put(nnx.state(model, nnx.Param), layout.shardings["params"])
-      self.batches = _batches(self.config.model.vocab_size)
-      self.evaluator = CEEvaluator(layout.graphdef, layout.shardings["params"],
-                                   sharding.data_sharding(self.config, self.mesh), self.batches, routing=True)
-      self.usage = ra.Usage(self.config)
-      self.base = self.evaluator(self.params, self.usage.add)
-      self.router = ra.Router(self.graphdef)
-
-  def ce(self, params):
-    with sharding.activate(self.mesh, sharding.rules_of(self.config)):
-      return self.evaluator(params)["ce"]
+    super().__init__({"memory.routing": routing, "memory.routing_chunk": CHUNK},
+                     lambda model: causality._redraw_zeros(model, seed=1))
+    self.router = ra.Router(self.graphdef)
 
   def route(self, ids, mask):
     with sharding.activate(self.mesh, sharding.rules_of(self.config)):
