@@ -8,6 +8,7 @@ its final evaluation is listed as failed or unfinished and kept out of the fits,
 """
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import json
@@ -19,6 +20,7 @@ import numpy as np
 
 from experiments.sweeps.plan import BANK_KEYS, compute, is_moc, run_name
 from experiments.sweeps.runs import LOG, MANIFEST, final_eval, read_manifest, read_metrics
+from moc_jax.config.plan import bank_ids, bank_shape
 
 CONFIDENCE = 0.95
 COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "train_flops", "flops_per_token",
@@ -28,7 +30,7 @@ COLUMNS = ("run", "status", "kind", "top_k", "bank_tokens", "steps", "tokens", "
 SEED_METRICS = ("val_ce", "fact_recall", "exact_match", "router_used_frac", "router_shared_mass", "eval_used_frac",
                 "eval_max_load", "paraphrase_jaccard", "other_entity_jaccard", "recall_without_bank")
 SEED_HEADERS = ("val CE", "fact recall", "exact match", "chapters read (train window)", "shared-chapter mass",
-                "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase", "Jaccard other entity",
+                "chapters / slots read (eval)", "max / mean load (eval)", "Jaccard paraphrase", "Jaccard other entity",
                 "recall without the bank")
 # (fit, x column, the override keys that vary along it, x-axis label); compute is fitted per kind of model.
 FITS = (("compute", "train_flops", None, "training FLOPs (model FLOPs, forward + backward)"),
@@ -93,10 +95,8 @@ def _row(sweep_dir, entry):
   config = load_run_config(workdir)
   mem, steps = config.memory, config.train.steps
   counts = count_params(config)
-  row.update(kind="moc" if is_moc(config) else "dense", steps=steps, **compute(config),
-             params_total=counts["total"],
-             params_active=counts["total"] - counts["bank"] + counts["bank"] * (mem.num_shared + mem.top_k)
-             // mem.num_chapters)
+  row.update(kind=run_kind(config), steps=steps, **compute(config), params_total=counts["total"],
+             params_active=counts["total"] - counts["bank"] + bank_read(config, counts["bank"]))
   if row["kind"] == "moc":
     row.update(top_k=mem.top_k, bank_tokens=mem.num_tokens)
   final = final_eval(workdir, steps)
@@ -106,6 +106,29 @@ def _row(sweep_dir, entry):
   return {**row, "status": "done", "val_ce": final["ce"], "fact_recall": final.get("probe_acc"),
           "exact_match": final.get("probe_exact"), **_router_health(workdir), **_eval_routing(workdir),
           **_recall_by_docs(workdir)}
+
+
+def run_kind(config) -> str:
+  """`moc` (the chapter memory), `pkm` or `hml` (memory.kind), or `dense` (no memory layer): the compute fit is
+  made per kind, and the bank and top-k fits take `moc` runs alone."""
+  if not is_moc(config):
+    return "dense"
+  return "moc" if config.memory.kind == "chapters" else config.memory.kind
+
+
+def bank_read(config, bank: int) -> int:
+  """The parameters of the bank (`bank` of them, count_params's) that one read covers. chapters: the shared and
+  top-k chapters of a sequence, (shared + k) / C of the bank. pkm / hml: the value rows one token reads, heads x
+  pkm_top_k in each memory layer (pkm_heads for pkm, the attention heads for hml), at most a table's N rows
+  per table."""
+  mem = config.memory
+  if mem.kind == "chapters":
+    return bank * (mem.num_shared + mem.top_k) // mem.num_chapters
+  shape = bank_shape(config)
+  heads = mem.pkm_heads if mem.kind == "pkm" else config.model.num_heads
+  readers = collections.Counter(bank_ids(config))  # memory layers per table
+  rows = sum(min(shape.rows, n * heads * mem.pkm_top_k) for n in readers.values())
+  return bank * rows // (shape.tables * shape.rows)
 
 
 def _router_health(workdir) -> dict:
@@ -138,10 +161,11 @@ def _eval_routing(workdir) -> dict:
   routing = report.get("routing") or {}
   layers, stability = routing.get("layers", []), routing.get("stability", [])
   out = {}
-  for key, rows, field in (("eval_used_frac", layers, "chapters_selected_frac"), ("eval_max_load", layers, "max_load"),
-                           ("paraphrase_jaccard", stability, "paraphrase_jaccard"),
-                           ("other_entity_jaccard", stability, "other_entity_jaccard")):
-    values = [r[field] for r in rows if field in r]
+  for key, rows, fields in (("eval_used_frac", layers, ("chapters_selected_frac", "slots_selected_frac")),
+                            ("eval_max_load", layers, ("max_load",)),
+                            ("paraphrase_jaccard", stability, ("paraphrase_jaccard",)),
+                            ("other_entity_jaccard", stability, ("other_entity_jaccard",))):
+    values = [r[field] for r in rows for field in fields if field in r]
     if values:
       out[key] = float(np.mean(values))
   ablation = report.get("ablation") or {}
@@ -286,12 +310,12 @@ def recall_by_docs_table(groups) -> list[str]:
 def markdown(title, rows, fit_list, plots) -> str:
   header = ("run", "status", "kind", "top-k", "bank tokens", "steps", "tokens", "training FLOPs", "FLOPs/token",
             "params total", "params active", "val CE", "fact recall", "exact match", "chapters read",
-            "shared-chapter mass", "chapters read (eval)", "max / mean load (eval)", "Jaccard paraphrase",
+            "shared-chapter mass", "chapters / slots read (eval)", "max / mean load (eval)", "Jaccard paraphrase",
             "Jaccard other entity", "recall without the bank", "wall s")
   lines = [f"# {title}", "", f"{len(rows)} runs, {sum(r['status'] == 'done' for r in rows)} finished. Validation CE "
            "(nats/token) and fact recall (likelihood choice; exact match: greedy) at the last step; training FLOPs "
            "= the estimator's model FLOPs per token (forward + backward, memory as read) x tokens; active "
-           "parameters count the bank's read chapters only.", "",
+           "parameters count the bank's read chapters only (pkm, hml: the value rows one token reads).", "",
            "| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
   lines += ["| " + " | ".join(_cell(k, r.get(k)) for k in COLUMNS[:-1]) + " |" for r in rows]
   groups = seed_groups(rows)

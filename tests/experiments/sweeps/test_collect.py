@@ -224,3 +224,40 @@ def test_collect_recall_by_entity_documents_across_seeds(tmp_path):
   os.remove(os.path.join(sweep_dir, "dense-seed0", "eval.json"))  # without every seed's evaluation, still a row
   text = sweep_report.collect(sweep_dir, str(tmp_path / "o2"))
   assert "| dense | 3 | 0.345 ± 0.015 (2 of 3 seeds) | 1.000 (1 of 3 seeds) |" in text
+
+
+def test_collect_memory_kinds(tmp_path):
+  """The `kinds` sweep: pkm and hml runs are kinds of their own (the compute law is never fitted across memory
+  kinds), their active parameters count the value rows one token reads (heads x pkm_top_k per memory layer, not
+  the chapters' (shared + k) / C), and the slots an evaluation saw read fill the eval column."""
+  sweep_dir = str(tmp_path / "kinds")
+  only = [f"{point}-seed{s}" for point in ("kindchapters", "kindpkm", "kindhml", "dense") for s in (0, 1, 2)]
+  make_sweep(sweep_dir, "configs/moc.py:tiny", "kinds", lambda r: 1.0 + r["train_flops"] * 1e-14, only=only)
+  for s in range(3):  # what `python -m moc_jax.eval --workdir=... --ablate_chapters=routed` writes for pkm
+    with open(os.path.join(sweep_dir, f"kindpkm-seed{s}", "eval.json"), "w") as f:
+      json.dump({"routing": {"kind": "pkm", "layers": [{"slots_selected_frac": 0.25, "max_load": 4.0},
+                                                       {"slots_selected_frac": 0.75, "max_load": 2.0}]},
+                 "ablation": {"spec": "routed", "fact_recall": {"probe_acc": 0.25}}}, f)
+  rows = {r["run"]: r for r in sweep_report.run_rows(sweep_dir)}
+  assert {n[:-6]: r["kind"] for n, r in rows.items()} == {"kindchapters": "moc", "kindpkm": "pkm", "kindhml": "hml",
+                                                          "dense": "dense"}
+  tiny = lambda kind: moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": kind})
+  for kind, row_width in (("pkm", 64), ("hml", 64 // 4)):  # pkm: d_model-wide values; hml: a head's width
+    counts = moc_jax.count_params(tiny(kind))
+    assert counts["bank"] == 64 ** 2 * row_width  # one table of 4,096 slots shared by layers 1 and 3
+    row = rows[f"kind{kind}-seed0"]
+    assert row["params_active"] == counts["total"] - counts["bank"] + 2 * 4 * 8 * row_width  # layers x heads x k
+    assert "top_k" not in row and "bank_tokens" not in row
+  per_layer = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "pkm", "memory.sharing": "per_layer"})
+  assert sweep_report.bank_read(per_layer, 2 * 4096 * 64) == 2 * 4 * 8 * 64  # a table per layer, each read 32 rows
+  small_table = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "pkm", "memory.pkm_sub_keys": 6})
+  assert sweep_report.bank_read(small_table, 36 * 64) == 36 * 64  # 64 reads of 36 slots: the whole table
+  chapters = rows["kindchapters-seed0"]
+  assert chapters["params_active"] == moc_jax.count_params(tiny("chapters"))["total"] - 65 * 16 * 64 + 9 * 16 * 64
+  # each kind's three seeds share their FLOPs: no compute law, where one over all memory runs would mix the kinds
+  assert [f for f in sweep_report.fits(list(rows.values())) if f["fit"] == "compute"] == []
+  text = sweep_report.collect(sweep_dir, str(tmp_path / "out"))
+  groups = {g["point"]: g for g in csv.DictReader(open(tmp_path / "out" / "seeds.csv"))}
+  assert float(groups["kindpkm"]["eval_used_frac"]) == pytest.approx(0.5)
+  assert float(groups["kindpkm"]["recall_without_bank"]) == pytest.approx(0.25)
+  assert "| kindhml | hml | 3 |" in text
