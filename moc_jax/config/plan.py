@@ -43,7 +43,9 @@ def router_factors(c) -> tuple[int, int]:
 
 
 def memory_layers(c) -> tuple[int, ...]:
-  """Sorted indices of the layers that read memory (MoC-PT's placement rules)."""
+  """Sorted indices of the layers that read memory (MoC-PT's placement rules, and `spread`: the middle layer of each
+  of placement_k equal spans of depth, so 16 layers and k=4 give the paper's 2, 6, 10, 14, periodic when k divides
+  the depth)."""
   m, mem = c.model, c.memory
   L = m.num_layers
   if not mem.enabled or mem.placement == "none":
@@ -53,6 +55,7 @@ def memory_layers(c) -> tuple[int, ...]:
       "first_k": lambda: range(min(mem.placement_k, L)),
       "last_k": lambda: range(max(L - mem.placement_k, 0), L),
       "every_n": lambda: range(0, L, mem.placement_n),
+      "spread": lambda: ((2 * j + 1) * L // (2 * mem.placement_k) for j in range(min(mem.placement_k, L))),
       "custom": lambda: sorted(i for i in mem.layer_indices if 0 <= i < L),
   }[mem.placement]())
 
@@ -62,6 +65,15 @@ def bank_ids(c) -> tuple[int, ...]:
   n = len(memory_layers(c))
   return tuple({"shared": lambda i: 0, "per_layer": lambda i: i,
                 "every_k_layers": lambda i: i // c.memory.sharing_k}[c.memory.sharing](i) for i in range(n))
+
+
+def base_tables(c, base) -> tuple[tuple[int, int], ...]:
+  """Depth up-scaling (`c` from the run of config `base`): the (table of `c`, table of `base`) pairs, sorted, that
+  keep every memory layer of the base reading what it read: a memory layer at layer i reads in `c` the table of
+  its index in memory_layers(c), and in the base its own. A table of `c` in no pair is new."""
+  layers, ids = memory_layers(c), bank_ids(c)
+  return tuple(sorted({(ids[layers.index(i)], b) for i, b in zip(memory_layers(base), bank_ids(base))
+                       if i in layers}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +108,12 @@ class LayerPlan:
   num_groups: int
   memory_offsets: tuple[int, ...]  # positions inside a group that read memory
   scanned: bool
+
+  def slot(self, layer: int) -> tuple[int, int | None]:
+    """Where layer `layer` lives: (its block in the group, the group's index on the stacked axis of the scanned
+    groups, or None when one unrolled group holds every layer)."""
+    group, block = divmod(layer, self.period)
+    return block, (group if self.scanned else None)
 
 
 def layer_plan(c) -> LayerPlan:

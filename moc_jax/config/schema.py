@@ -17,7 +17,7 @@ DATA_DIR_ENV = "MOC_JAX_DATA_DIR"
 # The values an enumerated field accepts (config/validate.py rejects anything else).
 MEMORY_KINDS = ("chapters", "pkm", "hml")
 QUERY_NORMS = ("none", "layernorm")
-PLACEMENTS = ("all", "first_k", "last_k", "every_n", "custom", "none")
+PLACEMENTS = ("all", "first_k", "last_k", "every_n", "spread", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
@@ -38,6 +38,7 @@ DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the deca
 LAYOUTS = ("pack", "pack_whole", "pad_truncate")
 PACK_BOUNDARIES = ("segment", "eos")
 CHAT_FORMATS = ("plain", "chatml")
+UPSCALE_COPIES = ("next", "previous")
 
 
 def parse_arg(arg, known_names):
@@ -90,8 +91,8 @@ def base_config():
   mem.dim = config_dict.placeholder(int)  # None -> d_model
   mem.num_heads = 12
   mem.num_kv_heads = 12
-  mem.placement = "custom"       # all | first_k | last_k | every_n | custom | none
-  mem.placement_k = 5            # first_k / last_k
+  mem.placement = "custom"       # all | first_k | last_k | every_n | spread | custom | none
+  mem.placement_k = 5            # first_k / last_k; spread: k layers, the middle of each of k equal spans of depth
   mem.placement_n = 3            # every_n: layers 0, n, 2n, ...
   mem.layer_indices = (2, 6, 10, 14)  # custom
   mem.sharing = "shared"         # shared | per_layer | every_k_layers
@@ -171,6 +172,11 @@ def base_config():
   t.keep_checkpoints = 3
   t.max_nonfinite = 5            # consecutive skipped updates before the run stops
   t.init_from = config_dict.placeholder(str)     # weights-only start from another workdir
+  # depth up-scaling (moc_jax/upscale.py): start from the trained run in this workdir (config.json, checkpoints/), its
+  # model with this config's memory inserted at the memory layers (MIDUS; Llama Pro), the same outputs at step 0
+  t.upscale_from = config_dict.placeholder(str)
+  t.upscale_copy = "next"        # hml: an inserted block's norm and q, k, v from the block after it (MIDUS) | previous
+  t.freeze_base = False          # drop the backbone (group base) from the optimizer: only the memory trains
   t.progress = "auto"            # auto | bar | log
 
   # Device mesh (see moc_jax/sharding/mesh.py): axis sizes, -1 = the remaining devices.

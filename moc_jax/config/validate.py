@@ -5,12 +5,15 @@ is allocated or anything compiles. Model code reads fields, never re-checks them
 """
 from __future__ import annotations
 
+import collections
+
 import jax
 
-from moc_jax.config.plan import bank_ids, bank_shape, layer_plan, memory_layers, router_factors
+from moc_jax.config.plan import bank_ids, bank_shape, base_tables, layer_plan, memory_layers, router_factors
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
                                    LOAD_BALANCES, MEMORY_KINDS, PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS,
-                                   ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS, VARIANTS)
+                                   ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS, UPSCALE_COPIES,
+                                   VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
 
@@ -58,6 +61,8 @@ def validate(c) -> None:
     _validate_train(c)
   if mem.enabled:
     _validate_memory(c)
+  if "train" in c:
+    _validate_upscale(c)
   if "mesh" in c:
     validate_mesh(c, _logical_dims(c))
 
@@ -87,7 +92,7 @@ def _validate_memory(c):
     if bad or len(set(mem.layer_indices)) != len(mem.layer_indices):
       _fail("memory.layer_indices", f"{tuple(mem.layer_indices)} has out-of-range or repeated layers {bad}",
             f"use distinct indices in [0, {m.num_layers})")
-  if mem.placement in ("first_k", "last_k") and mem.placement_k > m.num_layers:
+  if mem.placement in ("first_k", "last_k", "spread") and mem.placement_k > m.num_layers:
     _fail("memory.placement_k", f"{mem.placement_k} > num_layers {m.num_layers}", "use at most num_layers")
   if not memory_layers(c):
     _fail("memory.placement", f"{mem.placement!r} places no memory layer",
@@ -235,6 +240,84 @@ def _validate_bank_optimizer(c):
     _fail("train.smf_background", "smf ranks chapters against background counts, and neither train.smf_background "
           "nor train.init_from names them", "run `python -m moc_jax.eval.background --workdir=<pre-training run>` "
           "and pass --config.train.init_from=<that run> (or --config.train.smf_background=<its json>)")
+
+
+def _placement_field(c) -> str:
+  """The field that says where the memory layers are: layer_indices for a custom placement, else the placement."""
+  return "memory.layer_indices" if c.memory.placement == "custom" else "memory.placement"
+
+
+def _validate_upscale(c):
+  """train.upscale_from and freeze_base as far as the config alone decides; `validate_upscale` checks it against the
+  base run's config when a run starts from it."""
+  t, mem = c.train, c.memory
+  _enum(c, "train.upscale_copy", UPSCALE_COPIES)
+  if t.freeze_base and not mem.enabled:
+    _fail("train.freeze_base", "True with memory.enabled=False: every parameter is the backbone's, so nothing would "
+          "train", "set train.freeze_base=False, or give the model memory to train alone")
+  if not t.upscale_from:
+    return
+  if t.init_from:
+    _fail("train.upscale_from", f"set with train.init_from={t.init_from!r}: both name the weights the run starts from",
+          "set one of the two")
+  if not mem.enabled:
+    _fail("train.upscale_from", "set with memory.enabled=False: up-scaling inserts memory and this model has none",
+          "set memory.kind and where it goes (memory.placement=custom with layer_indices, or placement=spread)")
+  if mem.block_variant != "A":
+    _fail("memory.block_variant", f"{mem.block_variant!r} with train.upscale_from: variant B adds an MLP to each "
+          "memory layer, which would change the base model's outputs", "leave memory.block_variant='A'")
+  if mem.kind != "hml" and not mem.wo_init_zero:
+    _fail("memory.wo_init_zero", f"False with train.upscale_from: the inserted {mem.kind} memory's output would start "
+          "non-zero and change the base model's outputs", "leave memory.wo_init_zero=True")
+
+
+# the fields of the base run that an up-scaled model keeps (validate_upscale): its backbone's, and (a base with
+# memory) its memory's but the placement and sharing, which say where memory goes and which tables it reads
+_BACKBONE_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim", "rope_theta",
+                   "norm_eps")
+_PLACEMENT_FIELDS = ("placement", "placement_k", "placement_n", "layer_indices", "sharing", "sharing_k")
+
+
+def validate_upscale(c, base) -> None:
+  """Rejects `c` as an up-scaling of `base` (the config of train.upscale_from's run) with one ConfigError naming the
+  field and the fix, unless `c` is the base model with memory inserted that leaves its outputs unchanged: the same
+  backbone; memory at every memory layer of the base, of its kind and fields, each reading what it read
+  (`base_tables`); no inserted hml block reading a trained table, none before layer 0 copying the block before it;
+  and train.freeze_base only over a base without memory (its memory layers would train with the inserted ones)."""
+  source = f"the base run {c.train.upscale_from}"
+  for f in _BACKBONE_FIELDS:
+    if c.model[f] != base.model[f]:
+      _fail(f"model.{f}", f"{c.model[f]!r}, and {source} has {base.model[f]!r}",
+            f"set model.{f}={base.model[f]!r}: up-scaling inserts memory into the base model as it is")
+  layers, base_layers = memory_layers(c), memory_layers(base)
+  inserted = sorted(set(layers) - set(base_layers))
+  if c.memory.kind == "hml" and c.train.upscale_copy == "previous" and inserted and inserted[0] == 0:
+    _fail(_placement_field(c), "inserts an hml block before layer 0 with train.upscale_copy='previous': no block "
+          "precedes it to copy", "insert at layers >= 1, or use train.upscale_copy='next'")
+  if not base_layers:
+    return
+  if c.train.freeze_base:
+    _fail("train.freeze_base", f"True, and {source} has memory ({base.memory.kind} at layers {base_layers}), which "
+          "would train with the inserted memory (the groups memory and bank)", "up-scale without "
+          "train.freeze_base, or from a run without memory")
+  missing = sorted(set(base_layers) - set(layers))
+  if missing:
+    _fail(_placement_field(c), f"places no memory at layers {missing}, where {source} has it",
+          "place memory at every memory layer of the base run, and at the layers to insert")
+  for f in ("kind", *(f for f in base.memory if f not in _PLACEMENT_FIELDS)):  # the kind first: it explains the rest
+    if c.memory[f] != base.memory[f]:
+      _fail(f"memory.{f}", f"{c.memory[f]!r}, and {source} has {base.memory[f]!r}",
+            f"set memory.{f}={base.memory[f]!r}: the base run's memory layers are kept as they are")
+  pairs = base_tables(c, base)
+  merged = sorted(t for t, n in collections.Counter(t for t, _ in pairs).items() if n > 1)
+  if merged:
+    _fail("memory.sharing", f"{c.memory.sharing!r} would merge tables of {source} into table(s) {merged}",
+          "use memory.sharing='per_layer'")
+  reading = sorted(i for i in inserted if bank_ids(c)[layers.index(i)] in {t for t, _ in pairs})
+  if c.memory.kind == "hml" and reading:
+    _fail("memory.sharing", f"{c.memory.sharing!r}: the hml blocks inserted at layers {reading} would read the "
+          f"trained value table of {source}, so they would not start as the identity",
+          "use memory.sharing='per_layer' (each inserted block a zero table of its own)")
 
 
 def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:

@@ -72,8 +72,7 @@ def param_map(config) -> dict[str, Entry]:
   for b in sorted(set(bank_ids(config))):
     entries[f"memory_banks.{b}.base_bank.memory"] = Entry(("bank", "memory"), b, "bank")
   for i in range(config.model.num_layers):
-    g, j = divmod(i, plan.period)
-    index = g if plan.scanned else None
+    j, index = plan.slot(i)
     blk = ("layers", "blocks", j)
 
     def add(key, sub, kind):
