@@ -12,7 +12,7 @@ are slots, and an update moves the slots it read. `train.bank_optimizer=smf` (sp
 update over another set of chapters: per bank the `train.smf_top_t` chapters the update read most against a
 background (`smf_chapters`). Neither is MoC-PT's semantics; `dense` (the default) is. `bank_update` decodes
 these settings and `train.freeze_bank` into one `BankUpdate`, which the train step, the loop and the state layout
-ask in place of the config's strings.
+ask in place of the config's strings; `frozen_groups` says which groups train.freeze_base and freeze_bank hold.
 """
 from __future__ import annotations
 
@@ -362,10 +362,21 @@ def bank_update(t) -> BankUpdate:
                     state_memory=None if memory == "device" else memory)
 
 
+def frozen_groups(t) -> tuple[str, ...]:
+  """The parameter groups out of the optimizer: train.freeze_base drops the backbone ('base'), train.freeze_bank the
+  bank. The train step stops their gradient and the optimizer holds them (`hold`): no Adam state, no update."""
+  return tuple(g for g, frozen in (("base", t.freeze_base), ("bank", bank_update(t).frozen)) if frozen)
+
+
+def hold() -> optax.GradientTransformation:
+  """The update of a frozen group: -0.0 everywhere, as p + -0.0 is p bit for bit (p + 0.0 would turn a -0.0 into
+  0.0); stateless, as optax.set_to_zero."""
+  return optax.stateless(lambda updates, params: jax.tree.map(lambda u: jnp.full_like(u, -0.0), updates))
+
+
 def make_optimizer(t, params):
   """The full update rule: an optax chain (clipping, then the groups), or for a lazy `bank_update` a
-  `LazyBankOptimizer` (the bank apart, see there). A frozen bank is dropped from the optimizer (no Adam state,
-  no update)."""
+  `LazyBankOptimizer` (the bank apart, see there). Frozen groups (`frozen_groups`) are held."""
   bank = bank_update(t)
   lam = schedule_multiplier(t)
   lrs = group_lrs(t)
@@ -376,8 +387,7 @@ def make_optimizer(t, params):
   wds = group_weight_decays(t)
   transforms = {g: group_tx(lrs[g], optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
                             optax.add_decayed_weights(wds[g])) for g in GROUPS}
-  if bank.frozen:
-    transforms["bank"] = optax.set_to_zero()
+  transforms.update({g: hold() for g in frozen_groups(t)})
   if bank.lazy:
     params, transforms = without_bank(params), {g: tx for g, tx in transforms.items() if g != "bank"}
   labels = group_labels(params)
@@ -393,5 +403,5 @@ def make_optimizer(t, params):
 
 def current_lrs(t, update_count) -> dict[str, float]:
   """The LR each group used for update number `update_count` (0-based), for logging."""
-  lam, frozen = float(schedule_multiplier(t)(update_count)), bank_update(t).frozen
-  return {g: lr * lam * (0.0 if g == "bank" and frozen else 1.0) for g, lr in group_lrs(t).items()}
+  lam, frozen = float(schedule_multiplier(t)(update_count)), frozen_groups(t)
+  return {g: lr * lam * (0.0 if g in frozen else 1.0) for g, lr in group_lrs(t).items()}

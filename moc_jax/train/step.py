@@ -31,13 +31,17 @@ from flax import nnx
 
 from moc_jax.config import bank_ids, bank_shape
 from moc_jax.losses import lm_loss
-from moc_jax.optim import SparseRows, bank_update, chapters_read, smf_chapters, split_bank, without_bank
+from moc_jax.optim import SparseRows, bank_update, chapters_read, frozen_groups, smf_chapters, split_bank, without_bank
+from moc_jax.model.build import param_groups
 from moc_jax.model.routing import balance_bias_step, read_weight
 from moc_jax.router_health import STEP_STATS
 from moc_jax.sharding import current
 
-def _freeze_bank(params):
-  return nnx.map_state(lambda path, v: jax.lax.stop_gradient(v) if "bank" in map(str, path) else v, params)
+
+def _stop_frozen(params, groups):
+  """The parameters of the frozen `groups` (optim.frozen_groups) as constants: no gradient reaches them, so the
+  gradient norm and its clipping are the trained parameters'."""
+  return nnx.map_state(lambda path, v: jax.lax.stop_gradient(v) if param_groups(path) in groups else v, params)
 
 
 def _move_balance_bias(graphdef, params, load, mem, ok):
@@ -111,7 +115,7 @@ def bank_delta_shape(graphdef, params, batch, always_read):
 
 def make_train_step(graphdef, tx, config, idf=None):
   """`idf` [banks, chapters]: the background of `bank_optimizer=smf` (bank_background.idf)."""
-  accum, bank = config.train.grad_accum, bank_update(config.train)
+  accum, bank, frozen = config.train.grad_accum, bank_update(config.train), frozen_groups(config.train)
   if bank.smf and idf is None:
     raise ValueError("bank_optimizer=smf needs the background's idf")
   mem = config.memory
@@ -128,8 +132,7 @@ def make_train_step(graphdef, tx, config, idf=None):
     return stats
 
   def loss_fn(params, batch):
-    if bank.frozen:
-      params = _freeze_bank(params)
+    params = _stop_frozen(params, frozen)
     loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True)
     stats = {"ce": ce, **step_stats(aux, batch)}
     if "slots" in aux and bank.lazy:  # a dense gradient (a sharded table): the masked update needs the slots read
@@ -138,7 +141,7 @@ def make_train_step(graphdef, tx, config, idf=None):
 
   def sparse_loss_fn(rest, deltas, bank, batch):
     """The loss with the bank read through `deltas` -> (loss, (stats, the rows' chapter ids))."""
-    params = nnx.merge_state(rest, bank)
+    params = _stop_frozen(nnx.merge_state(rest, bank), frozen)
     loss, (ce, aux) = lm_loss(nnx.merge(graphdef, params), batch, train=True, bank_deltas=deltas)
     return loss, ({"ce": ce, **step_stats(aux, batch)}, aux["rows"])
 
