@@ -20,8 +20,8 @@ from jax.experimental import multihost_utils
 
 from moc_jax import checkpoint as ckpt_lib
 from moc_jax import data as data_lib
-from moc_jax import bank_background, flops, optim, sharding
-from moc_jax.config import bank_ids, base_config, routing_statement
+from moc_jax import bank_background, flops, optim, sharding, upscale
+from moc_jax.config import bank_ids, base_config, memory_layers, routing_statement
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import CheckpointError, ConfigError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
@@ -97,6 +97,8 @@ def _train(config, workdir, mesh, make_evaluator):
   t = config.train
   model_tokenizer(config)  # ids past the embedding are refused before anything is built
   idf = _smf_idf(config)
+  fresh = not ckpt_lib.saved_steps(os.path.join(workdir, "checkpoints"))
+  base = upscale.base_run(config) if t.upscale_from and fresh else None  # a resumed run no longer reads its base
   layout = build_state(config, mesh)
   graphdef, tx, abstract_state, shardings, init_fn = layout[:5]
   log.warning("moc_jax: mesh %s over %d devices (%d processes)%s", dict(mesh.shape), mesh.size, jax.process_count(),
@@ -120,6 +122,10 @@ def _train(config, workdir, mesh, make_evaluator):
       params, from_step = ckpt_lib.restore_params(t.init_from, abstract_state["params"], padding=layout.padding)
       state["params"] = params
       log.warning("moc_jax: weights from %s (step %d); fresh optimizer and step", t.init_from, from_step)
+    if base is not None:
+      state["params"], from_step = upscale.upscaled_params(config, *base, mesh, state["params"], shardings["params"])
+      log.warning("moc_jax: up-scaled %s (step %d): %s memory at layers %s%s", base[1], from_step,
+                  config.memory.kind, memory_layers(config), "; the backbone frozen" if t.freeze_base else "")
   _write_config(config, workdir)  # only now: a refused resume leaves the run's config.json as it was
   _log_memory(config, abstract_state)
   throughput = Throughput(config)
