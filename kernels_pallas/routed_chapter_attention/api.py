@@ -6,7 +6,8 @@ module's job alone, so each can be read, tested and replaced on its own. `implem
   "xla"        plain XLA, never gathers keys per (token, slot);
   "pallas"     the TPU Mosaic / GPU kernels, in interpret mode on CPU;
   "auto"       the fallback chain: the first implementation of REGISTRY, in order, native to the
-               default backend. That is the kernels on TPU and GPU and XLA everywhere else, so a
+               target platform (`contract.target_platform`: the active mesh's devices', else the default
+               backend). That is the kernels on TPU and GPU and XLA everywhere else, so a
                backend without kernels still runs and never gets the oracle.
 """
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
-
 from kernels_pallas.routed_chapter_attention import contract, pallas, reference, xla
 
 
 class Implementation(NamedTuple):
   """attend(q, k, v, ids, logit_scale, value_scale, combine, *, return_lse) per `contract`, plus
   `interpret=` when takes_interpret (the other implementations have no interpreter to configure).
-  platforms: the default backends it is native to, where "auto" may pick it (None: any; (): none)."""
+  platforms: the platforms it is native to, where "auto" may pick it (None: any; (): none)."""
   attend: Callable[..., Any]
   platforms: tuple[str, ...] | None
   takes_interpret: bool = False
@@ -40,12 +39,12 @@ IMPLEMENTATIONS = ("auto", *REGISTRY)
 
 
 def resolve(implementation: str) -> str:
-  """The registry name `implementation` stands for on the default backend; raises ValueError if unknown."""
+  """The registry name `implementation` stands for on the target platform; raises ValueError if unknown."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation != "auto":
     return implementation
-  backend = jax.default_backend()
+  backend = contract.target_platform()
   return next(name for name, entry in REGISTRY.items() if entry.native_to(backend))
 
 
@@ -53,7 +52,7 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, *, combine=
                              implementation="auto", interpret=None, return_lse=False):
   """See `contract` for the arguments and results; `implementation` as in this module's docstring.
 
-  interpret (pallas only): None = interpret mode exactly when the default backend is CPU; True = the
+  interpret (pallas only): None = interpret mode exactly when the target platform is CPU; True = the
   generic interpreter; a pltpu.InterpretParams = the TPU simulator.
   """
   contract.check_arguments(q, k, v, ids, logit_scale, value_scale, combine, return_lse)

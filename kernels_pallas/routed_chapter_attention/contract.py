@@ -18,10 +18,20 @@ sets (a sharded bank) merge exactly.
 """
 from __future__ import annotations
 
+import jax
+
 COMBINES = ("joint", "moe")
 # The log-sum-exp of a token whose slots are all empty. Finite, so that merging it with other partial
 # results (max, exp of differences) stays free of NaN, and far enough below any real logit to weigh zero.
 NEG_INF = -1e30
+
+
+def target_platform() -> str:
+  """The platform the code being traced will run on: that of the devices of the mesh it is traced under, else JAX's
+  default backend. They differ when a step is compiled for a TPU slice's devices on a host without one
+  (`python -m moc_jax.compile_report --topology=...`): the kernels must then be chosen and lowered for the TPU."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
 
 
 def check_combine(combine, return_lse=False):

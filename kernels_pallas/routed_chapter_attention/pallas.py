@@ -41,14 +41,16 @@ def routed_chapter_attention(q, k, v, ids, logit_scale, value_scale, combine, *,
 
   interpret: None = interpret on CPU only; True = the generic interpreter (either backend); a
     pltpu.InterpretParams = the TPU simulator (tpu backend; out-of-bounds and race checks).
-  backend: "tpu" | "gpu" | None (the default device's). block_pairs: rows per tile (backend default).
+  backend: "tpu" | "gpu" | None (the target platform's, `contract.target_platform`). block_pairs: rows per tile
+    (backend default).
   """
   contract.check_arguments(q, k, v, ids, logit_scale, value_scale, combine, return_lse)
-  backend = backend or ("gpu" if jax.default_backend() == "gpu" else "tpu")
+  platform = contract.target_platform()
+  backend = backend or ("gpu" if platform == "gpu" else "tpu")
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {backend!r}")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform == "cpu"
   block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS[backend]
   BACKENDS[backend].check_blocks(q, k, block_pairs)
   if not isinstance(ids, jax.core.Tracer):
