@@ -164,8 +164,13 @@ def run_config(workdir, overrides, what="a training run"):
 
 
 def quiet_libraries():
-  """Library INFO chatter (absl, orbax, tfds progress bars) off the console; moc_jax's own log at INFO."""
+  """Library INFO chatter (absl, orbax, tfds progress bars) off the console; moc_jax's own log at INFO. Before the
+  first use of a JAX backend: an installed libtpu (the `tpu` extra) on a host without TPU chips would warn at every
+  start that it cannot find the TPU VM's metadata (`tpu_topology.host_defaults`)."""
   from absl import logging as absl_logging
+
+  from moc_jax import tpu_topology
+  tpu_topology.host_defaults()
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("moc_jax").setLevel(logging.INFO)
 

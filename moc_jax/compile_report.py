@@ -1,8 +1,17 @@
-"""`--mode=compile`: lower and compile the train step for the configured mesh, report per-device memory.
+"""Lower and compile the train step for the configured mesh and report per-device memory; nothing is allocated.
 
-Nothing is allocated: the state and batch are ShapeDtypeStructs with their shardings. On a CPU,
-`--config.num_fake_devices=8` stands in for a pod slice, so the layout of a model too large for this
-machine can be checked before it meets one. The report is one JSON line:
+The state and batch are ShapeDtypeStructs with their shardings. Two ways to stand in for a pod slice on a host
+without one:
+
+* `python -m moc_jax.main --mode=compile --config.num_fake_devices=8` (or this module without --topology): n CPU
+  devices, so the layout of a model too large for this machine can be checked before it meets one;
+* `python -m moc_jax.compile_report --config=configs/moc.py:262k --topology=v5e:4x4`: the compile-only devices of
+  a TPU slice (the `tpu` extra installs libtpu; `--topology=list` names the chips it knows). The TPU compiler
+  itself compiles the train step and the evaluation step (XLA, and Mosaic for the Pallas kernels), and refuses a
+  step that does not fit a chip's HBM: that refusal is the answer, and the largest micro-batch that fits is
+  searched for (moc_jax/tpu_report.py).
+
+The report is one JSON line:
   params_bytes / opt_state_bytes   per device, from the shardings
   xla                              `memory_analysis()` of the compiled step (temporaries included; host_*: the
                                    arrays in host memory, e.g. train.bank_state_memory=pinned_host)
@@ -12,82 +21,68 @@ machine can be checked before it meets one. The report is one JSON line:
   largest_all_gather               the biggest all-gather result in the optimized HLO (bytes, shape):
                                    proof that the bank is never gathered whole
   flops_per_device                 `cost_analysis()` (XLA counts a scanned body once)
+With --topology also:
+  topology, chip, hbm_bytes        the slice, its devices' kind, the HBM the compiler lets a program use on one;
+                                   libtpu: the version that compiled
+  rows_per_device, seq_len         sequences per device per micro-batch and their length; grad_accum
+  fits                             whether the compiler accepted the train step; if not, hbm_required_bytes
+                                   (its error's figure: arguments, outputs and temporaries) replaces xla,
+                                   largest_all_gather, flops_per_device and kernels
+  kernels                          Mosaic kernels (Pallas on TPU) in the compiled step: {name: calls}
+  eval                             the evaluation step (a forward over an update's rows, as the training loop
+                                   evaluates): rows_per_device, compile_seconds, fits, and the fields above
+  largest_fitting                  when the train step does not fit: the largest micro-batch that does (rows per
+                                   device, batch_size, grad_accum at the same update size, its xla and
+                                   kernels), or null; searched: {rows per device: fits} of every count compiled
+and a last line, the verdict.
 """
 from __future__ import annotations
 
 import json
-import re
-import time
 
-import jax
-import numpy as np
+from absl import flags
 
-from moc_jax import sharding
-from moc_jax.state import build_state
-from moc_jax.train.step import jit_train_step
-
-_COLLECTIVE = re.compile(r"=\s*(.*?)\s+all-gather(?:-start)?\(")
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
-
-
-def abstract_batch(config, batch_sharding) -> dict:
-  """The loader's global batch for one update: [batch_size * grad_accum, seq_len] int32 per field."""
-  shape = (config.train.batch_size * config.train.grad_accum, config.data.seq_len)
-  return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=batch_sharding)
-          for k in ("input_ids", "attention_mask", "labels")}
-
-
-def largest_all_gather(hlo_text: str):
-  """(bytes, shape) of the largest all-gather output in optimized HLO text."""
-  best = (0, None)
-  for line in hlo_text.splitlines():
-    m = _COLLECTIVE.search(line)
-    if not m:
-      continue
-    for dtype, dims in _SHAPE.findall(m.group(1)):
-      shape = tuple(int(d) for d in dims.split(",") if d)
-      nbytes = int(np.prod(shape)) * jax.numpy.dtype(_DTYPES.get(dtype, "float32")).itemsize
-      best = max(best, (nbytes, shape), key=lambda b: b[0])
-  return best
-
-
-_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s32": "int32", "u32": "uint32", "pred": "bool",
-           "s8": "int8", "u8": "uint8", "f64": "float64", "s64": "int64", "u64": "uint64"}
+from moc_jax import cli, compile_fields, sharding
 
 
 def report(config) -> dict:
+  """The train step compiled for `config`'s mesh over this host's devices (fake CPU ones for a slice)."""
   mesh = sharding.make_mesh(config)
-  with sharding.activate(mesh, sharding.rules_of(config)):
-    layout = build_state(config, mesh)
-    batch_sharding = sharding.data_sharding(config, mesh)
-    step = jit_train_step(layout.graphdef, layout.tx, config, layout.shardings, batch_sharding)
-    t0 = time.perf_counter()
-    compiled = step.lower(layout.abstract, abstract_batch(config, batch_sharding)).compile()
-    seconds = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  gather_bytes, gather_shape = largest_all_gather(compiled.as_text())
-  out = {
-      "config": config.name, "mesh": dict(mesh.shape), "devices": mesh.size, "compile_seconds": round(seconds, 1),
-      "params_bytes": sharding.shard_bytes(layout.abstract["params"]),
-      "opt_state_bytes": sharding.shard_bytes(layout.abstract["opt_state"]),
-      "xla": {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias",
-                                                                  "generated_code", "host_argument", "host_temp")},
-      "largest_all_gather": {"bytes": gather_bytes, "shape": list(gather_shape or ())},
-      "flops_per_device": float(cost.get("flops", 0.0)),
-  }
-  if "bank" in layout.abstract["params"]:
-    bank = layout.abstract["params"]["bank"]["memory"]
-    real = (bank.shape[0], layout.padding.real, *bank.shape[2:])
-    out["bank"] = {"kind": config.memory.kind, "padded_shape": list(bank.shape),
-                   "shard_shape": list(bank.sharding.shard_shape(bank.shape)),
-                   "shard_bytes": sharding.shard_bytes([bank]), "full_copy_bytes": int(np.prod(real)) * 4,
-                   "padded_chapters": layout.padding.padded - layout.padding.real}
-  return out
+  layout, lowered = compile_fields.lower_train(config, mesh)
+  compiled, seconds = compile_fields.compile_timed(lowered)
+  return {**compile_fields.layout_fields(config, mesh, layout), "compile_seconds": seconds,
+          **compile_fields.step_fields(compiled, compiled.as_text())}
 
 
 def main(config) -> dict:
   result = report(config)
   print(json.dumps(result), flush=True)
   return result
+
+
+def define_flags():
+  """This command's flags (defined only when it runs: `moc_jax.main --mode=compile` imports this module)."""
+  cli.define_config_file_flag("Config file and argument, e.g. configs/moc.py:262k.")
+  flags.DEFINE_string("topology", None, "Compile for this TPU slice's devices instead of this host's, e.g. v5e:4x4 "
+                      "or v5p:4x4x4 (needs the `tpu` extra); `list` names the chips the installed libtpu knows.")
+
+
+def _command(argv):
+  from moc_jax.config import validate
+  from moc_jax.errors import UsageError
+  cli.begin(argv, datasets=False)
+  config, topology = flags.FLAGS.config, flags.FLAGS.topology
+  if config is None and topology != "list":
+    raise UsageError("--config=PATH.py:ARG is required")
+  if topology is None:
+    cli.use_fake_devices(config.num_fake_devices)
+    validate(config)
+    main(config)
+    return
+  from moc_jax import tpu_report
+  tpu_report.main(config, topology)
+
+
+if __name__ == "__main__":
+  define_flags()
+  cli.run(_command)

@@ -2,8 +2,15 @@
 
 Model-level tests pass every input (ids, key mask, parameters) as a jit argument, so changing the
 parameters or the padding reuses the same compiled program.
+
+The suite runs on the CPU (fake devices stand in for meshes): JAX_PLATFORMS=cpu unless set, for this process and
+the commands it starts, so that an installed libtpu (the `tpu` extra) is loaded only by the tests that compile for
+a TPU topology, not by every process at its first use of a backend.
 """
 import io
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
