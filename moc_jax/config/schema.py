@@ -212,6 +212,12 @@ def data_config() -> config_dict.ConfigDict:
   c.prefetch = 2                # batches prepared ahead in a background thread (0: none)
   c.text_field = "text"
   c.chat_format = "plain"       # plain (MoC-PT's <|user|> fallback) | chatml
+  # each document's path down a k-ary tree of `levels` levels, fitted by k-means on the training split's texts
+  # (data/cluster_paths.py), rides in the batch as cluster_path; memory.routing=cluster reads by it. k = 0: none
+  cl = c.cluster = config_dict.ConfigDict()
+  cl.k = 0
+  cl.levels = 2
+  cl.seed = 0
 
   # the moc_facts corpus: these are its only defaults (data/facts.py's MocFactsConfig is built from them)
   f = c.facts = config_dict.ConfigDict()

@@ -15,6 +15,7 @@ together while the template's words weigh little.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -30,34 +31,62 @@ HASHES = 4          # buckets each word is signed into: collisions of two words 
 _WORD = re.compile(r"\w+")
 
 
-def _word_hashes(word: str, dim: int) -> list[tuple[int, float]]:
+@functools.lru_cache(maxsize=1 << 20)
+def _word_hashes(word: str, dim: int) -> tuple[tuple[int, float], ...]:
   """(bucket, sign) pairs of one word, from a hash that is the same in every process (str.__hash__ is salted)."""
   digest = hashlib.blake2b(word.encode(), digest_size=4 * HASHES).digest()
   out = []
   for j in range(HASHES):
     h = int.from_bytes(digest[4 * j:4 * j + 4], "little")
     out.append((h % dim, 1.0 if h >> 31 else -1.0))
-  return out
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Embedder:
+  """Hashed TF-IDF with one corpus's document frequencies: each lower-cased word weighs tf x idf, added with its
+  signs into its HASHES buckets (scaled by 1/sqrt(HASHES), so a word alone has norm 1 before normalising), and the
+  rows are L2-normalised. The idf is fitted once, so a text embedded later (a validation document, a probe's prompt)
+  lands where the corpus's documents on its subject did; a word the corpus never had weighs 0, as it says nothing
+  about where in the corpus a text belongs."""
+  idf: dict[str, float]
+  dim: int = 256
+
+  @classmethod
+  def fit(cls, texts: Sequence[str], dim: int = 256) -> Embedder:
+    """idf = log(N / df) over `texts` (a word in every text weighs 0)."""
+    df: dict[str, int] = {}
+    for t in texts:
+      for w in set(_WORD.findall(t.lower())):
+        df[w] = df.get(w, 0) + 1
+    return cls({w: math.log(len(texts) / n) for w, n in df.items()}, dim)
+
+  def __call__(self, texts: Sequence[str]) -> np.ndarray:
+    """[len(texts), dim] float32 unit vectors (zeros for a text with no word of weight)."""
+    scale = 1 / math.sqrt(HASHES)
+    out = np.zeros((len(texts), self.dim), np.float64)
+    for i, t in enumerate(texts):
+      for w in _WORD.findall(t.lower()):
+        idf = self.idf.get(w, 0.0)
+        if idf:
+          for bucket, sign in _word_hashes(w, self.dim):
+            out[i, bucket] += sign * idf * scale
+    norms = np.linalg.norm(out, axis=1, keepdims=True)
+    return (out / np.where(norms > 0, norms, 1)).astype(np.float32)
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The embedder as named arrays (for np.savez beside a tree)."""
+    return {"words": np.array(sorted(self.idf), dtype=str), "idf": np.array([self.idf[w] for w in sorted(self.idf)]),
+            "dim": np.array(self.dim)}
+
+  @classmethod
+  def from_arrays(cls, f) -> Embedder:
+    return cls(dict(zip(f["words"].tolist(), f["idf"].tolist())), int(f["dim"]))
 
 
 def embed_texts(texts: Sequence[str], dim: int = 256) -> np.ndarray:
-  """[len(texts), dim] float32 unit vectors: each lower-cased word weighs tf x log(N / df) over `texts`, added with
-  its signs into its HASHES buckets (scaled by 1/sqrt(HASHES), so a word alone has norm 1 before normalising)."""
-  words = [_WORD.findall(t.lower()) for t in texts]
-  df: dict[str, int] = {}
-  for ws in words:
-    for w in set(ws):
-      df[w] = df.get(w, 0) + 1
-  n, scale = len(texts), 1 / math.sqrt(HASHES)
-  cache: dict[str, list[tuple[int, float]]] = {}
-  out = np.zeros((n, dim), np.float64)
-  for i, ws in enumerate(words):
-    for w in ws:
-      idf = math.log(n / df[w])
-      for bucket, sign in cache.setdefault(w, _word_hashes(w, dim)):
-        out[i, bucket] += sign * idf * scale
-  norms = np.linalg.norm(out, axis=1, keepdims=True)
-  return (out / np.where(norms > 0, norms, 1)).astype(np.float32)
+  """[len(texts), dim] float32 unit vectors of `texts` under their own idf (`Embedder.fit`)."""
+  return Embedder.fit(texts, dim)(texts)
 
 
 def nearest(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
@@ -150,14 +179,22 @@ class Tree:
       out[:, level] = node
     return out
 
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The tree as named arrays (np.savez)."""
+    return {"k": np.array(self.k), **{f"level{level + 1}": c for level, c in enumerate(self.centroids)}}
+
+  @classmethod
+  def from_arrays(cls, f) -> Tree:
+    levels = sum(name.startswith("level") for name in f)
+    return cls(int(f["k"]), tuple(f[f"level{level + 1}"] for level in range(levels)))
+
   def save(self, path) -> None:
-    np.savez(path, k=self.k, **{f"level{level + 1}": c for level, c in enumerate(self.centroids)})
+    np.savez(path, **self.arrays())
 
   @classmethod
   def load(cls, path) -> Tree:
     with np.load(path) as f:
-      levels = sum(name.startswith("level") for name in f.files)
-      return cls(int(f["k"]), tuple(f[f"level{level + 1}"] for level in range(levels)))
+      return cls.from_arrays(f)
 
 
 def build_tree(x: np.ndarray, k: int, levels: int, seed: int = 0, steps: int = EM_STEPS,

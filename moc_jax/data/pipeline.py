@@ -9,6 +9,8 @@ Batch format (numpy, per process, B = config.data.batch_size, L = config.data.se
   positions       int32 [B, L]  only pack layouts + pack_boundaries=segment: position within the document piece
   n_malformed     int32 []      malformed records skipped just before the documents that start in this batch
                                 (i.e. since the previous batch; the sum over batches is the total: add it up)
+  cluster_path    int32 [B, L, levels]  only with data.cluster.k > 0: the path down the cluster tree of the document
+                                each token belongs to (data/cluster_paths.py); -1 on padding
 Layouts:
   pad_truncate  MoC-PT's layout (docs/mocpt_semantics.md): one document per row, truncated to L, right-padded, no
                 BOS/EOS added, labels -100 on pads.
@@ -22,6 +24,10 @@ Layouts:
                 rest of each row is padded. A document longer than a row is cut into row-length pieces first, each
                 packed as its own segment with its first label -100. Costs padding (about 16% of the slots on
                 `tiny`'s moc_facts rows of 256); buys rows in which every short document is seen whole.
+Cluster paths are per token, not per row: a packed row holds several documents and `pack` splits a document over
+rows, so only a per-token path is right under every layout, and it rides through packing as one more sequence
+feature, as the malformed count does. It is a function of the record alone, so the iterator's state needs nothing
+new to restore it.
 Malformed counting is exact and resumable: a skipped record's count rides on the first token of the next
 valid document (an extra per-token feature that packing splits consistently), so the count lands in the batch
 that holds that token, and the iterator state needs nothing beyond grain's own.
@@ -36,6 +42,7 @@ import numpy as np
 from moc_jax.config.validate import validate_data
 from moc_jax.errors import DataError
 from moc_jax.data.chat import IGNORE
+from moc_jax.data.cluster_paths import cluster_index, token_paths
 from moc_jax.data.sources import open_source
 from moc_jax.data.tokenizers import get_tokenizer
 
@@ -51,19 +58,24 @@ def _shuffle_seed(seed: int) -> int:
   return int(np.random.SeedSequence([seed, 0x6D6F63]).generate_state(1)[0])
 
 
-def _to_element(record, *, to_example, layout, boundaries, eos_id, seq_len):
-  """A record -> {'input_ids', 'labels'} int32 arrays, or None (malformed)."""
+def _to_element(record, *, to_example, layout, boundaries, eos_id, seq_len, paths):
+  """A record -> {'input_ids', 'labels'[, 'cluster_path']} int32 arrays, or None (malformed). `paths(ids, n)`: the
+  per-token cluster paths [n, levels] of a document's n tokens, or None for no paths."""
   example = to_example(record)
   if example is None:
     return None
-  ids, labels = example
+  doc, labels = example
   if layout == "pad_truncate":
-    return {"input_ids": ids[:seq_len], "labels": labels[:seq_len]}
-  eos_label = eos_id if labels[-1] != IGNORE else IGNORE  # chat: stop after assistant text only
-  ids, labels = np.append(ids, np.int32(eos_id)), np.append(labels, np.int32(eos_label))
-  if boundaries == "segment":
-    labels[0] = IGNORE
-  return {"input_ids": ids, "labels": labels}
+    ids, labels = doc[:seq_len], labels[:seq_len]
+  else:
+    eos_label = eos_id if labels[-1] != IGNORE else IGNORE  # chat: stop after assistant text only
+    ids, labels = np.append(doc, np.int32(eos_id)), np.append(labels, np.int32(eos_label))
+    if boundaries == "segment":
+      labels[0] = IGNORE
+  element = {"input_ids": ids, "labels": labels}
+  if paths is not None:
+    element["cluster_path"] = paths(doc, len(ids))
+  return element
 
 
 class _Stage(grain.IterDataset):
@@ -135,13 +147,22 @@ def _pad_truncate_row(element, *, seq_len, pad_id):
   labels = np.full(seq_len, IGNORE, np.int32)
   mask = np.zeros(seq_len, np.int32)
   input_ids[:n], labels[:n], mask[:n] = element["input_ids"], element["labels"], 1
-  return {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
-          "n_malformed": element["n_malformed"].sum(dtype=np.int32)}
+  row = {"input_ids": input_ids, "labels": labels, "attention_mask": mask,
+         "n_malformed": element["n_malformed"].sum(dtype=np.int32)}
+  if "cluster_path" in element:
+    row["cluster_path"] = np.full((seq_len, element["cluster_path"].shape[1]), -1, np.int32)
+    row["cluster_path"][:n] = element["cluster_path"]
+  return row
+
+
+def _cluster_path(packed, real):
+  """A packed row's per-token paths, -1 on padding (grain pads features with 0, a node's index)."""
+  return np.where(real[:, None], packed["cluster_path"], -1).astype(np.int32)
 
 
 def _concat_documents(elements):
   """Joins a few documents into one element (ConcatThenSplit costs ~0.3 ms per element, so feed it fewer)."""
-  chunk = {k: np.concatenate([e[k] for e in elements]) for k in _SEQUENCE_FIELDS}
+  chunk = {k: np.concatenate([e[k] for e in elements]) for k in elements[0]}
   doc_start = np.zeros(len(chunk["input_ids"]), np.int32)
   doc_start[np.cumsum([0] + [len(e["input_ids"]) for e in elements[:-1]])] = 1
   chunk["doc_start"] = doc_start
@@ -154,6 +175,8 @@ def _packed_row(packed, *, pad_id, segments):
          "labels": np.where(real, packed["labels"], IGNORE).astype(np.int32),
          "attention_mask": real.astype(np.int32),
          "n_malformed": packed["n_malformed"].sum(dtype=np.int32)}
+  if "cluster_path" in packed:
+    row["cluster_path"] = _cluster_path(packed, real)
   if segments:  # a new segment at each document start and at the row start (a continued document)
     index = np.arange(len(real))
     first = (packed["doc_start"] == 1) | (index == 0)
@@ -190,6 +213,8 @@ def _whole_row(packed, *, pad_id, segments):
          "labels": np.where(real, packed["labels"], IGNORE).astype(np.int32),
          "attention_mask": real.astype(np.int32),
          "n_malformed": packed["n_malformed"].sum(dtype=np.int32)}
+  if "cluster_path" in packed:
+    row["cluster_path"] = _cluster_path(packed, real)
   if segments:
     row["segment_ids"] = seg.astype(np.int32)
     row["positions"] = (packed["input_ids_positions"] * real).astype(np.int32)
@@ -205,24 +230,27 @@ def _stack(rows):
 def _batches(ds, c, tokenizer, *, drop_remainder):
   """Valid elements (IterDataset) -> rows in the configured layout -> batches."""
   segments = c.pack_boundaries == "segment"
+  fields = (*_SEQUENCE_FIELDS, "cluster_path") if c.cluster.k else _SEQUENCE_FIELDS
   if c.layout == "pad_truncate":
     ds = ds.map(lambda e: _pad_truncate_row(e, seq_len=c.seq_len, pad_id=tokenizer.pad_id))
   elif c.layout == "pack_whole":
     ds = grain.experimental.FlatMapIterDataset(ds, _RowPieces(c.seq_len))
     ds = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={k: c.seq_len for k in _SEQUENCE_FIELDS}, num_packing_bins=_PACK_BINS, shuffle_bins=False)
+        ds, length_struct={k: c.seq_len for k in fields}, num_packing_bins=_PACK_BINS, shuffle_bins=False)
     ds = ds.map(lambda p: _whole_row(p, pad_id=tokenizer.pad_id, segments=segments))
   else:
     ds = ds.batch(_DOCS_PER_CHUNK, batch_fn=_concat_documents)
     ds = grain.experimental.ConcatThenSplitIterDataset(
-        ds, length_struct={k: c.seq_len for k in (*_SEQUENCE_FIELDS, "doc_start")})
+        ds, length_struct={k: c.seq_len for k in (*fields, "doc_start")})
     ds = _Stage(ds, _JsonStateIterator)
     ds = ds.map(lambda p: _packed_row(p, pad_id=tokenizer.pad_id, segments=segments))
   return ds.batch(c.batch_size, drop_remainder=drop_remainder, batch_fn=_stack)
 
 
-def _elements(c, split, tokenizer, *, process_index=0, process_count=1, train):
-  """(MapDataset of elements-or-None, number of records per pass for this process)."""
+def _elements(c, split, tokenizer, *, process_index=0, process_count=1, train, paths="document"):
+  """(MapDataset of elements-or-None, number of records per pass for this process). `paths`: the cluster paths'
+  mode (cluster_paths.PATH_MODES) when data.cluster.k > 0."""
+  index = cluster_index(c, tokenizer)  # fitted (or read) before the split is opened: a missing one is named first
   records, to_example = open_source(c, split, tokenizer)
   if not len(records):
     raise DataError(f"{c.name!r} split {split!r} has no records")
@@ -231,8 +259,9 @@ def _elements(c, split, tokenizer, *, process_index=0, process_count=1, train):
     if c.shuffle:
       ds = ds.shuffle(seed=_shuffle_seed(c.seed))
     ds = ds.repeat(None)[process_index::process_count]
+  path_fn = None if index is None else (lambda ids, n: token_paths(index, ids, n, tokenizer.decode, paths))
   ds = ds.map(lambda r: _to_element(r, to_example=to_example, layout=c.layout, boundaries=c.pack_boundaries,
-                                    eos_id=tokenizer.eos_id, seq_len=c.seq_len))
+                                    eos_id=tokenizer.eos_id, seq_len=c.seq_len, paths=path_fn))
   return ds, -(-len(records) // process_count)
 
 
@@ -262,21 +291,23 @@ def _pad_batch(batch, batch_size, pad_id):
   missing = batch_size - len(batch["input_ids"])
   if missing == 0:
     return batch
-  fill = {"input_ids": pad_id, "labels": IGNORE}
+  fill = {"input_ids": pad_id, "labels": IGNORE, "cluster_path": -1}
   return {k: v if k == "n_malformed" else
           np.concatenate([v, np.full((missing, *v.shape[1:]), fill.get(k, 0), v.dtype)]) for k, v in batch.items()}
 
 
-def make_eval_batches(config_data, split: str = "validation", max_batches: int | None = None) -> Iterator[dict]:
+def make_eval_batches(config_data, split: str = "validation", max_batches: int | None = None,
+                      paths: str = "document") -> Iterator[dict]:
   """Every record of `split`, in order, as batches of the same format (the last one padded with masked rows).
 
   A fresh, deterministic pass per call (an iterator, so large splits are never held in memory). Identical on
   every process: shard rows yourself if needed. Malformed records after the last valid one are added to the
   last batch's n_malformed. Errors (missing split, bad config) are raised here, not on the first `next`.
+  `paths="prefix"` gives each token the cluster path of its document up to it (cluster_paths.token_paths).
   """
   validate_data(config_data)
   tokenizer = get_tokenizer(config_data.tokenizer)
-  ds, per_pass = _elements(config_data, split, tokenizer, train=False)
+  ds, per_pass = _elements(config_data, split, tokenizer, train=False, paths=paths)
   trailing = []
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=config_data.num_threads), allow_nones=True)
   it = _Stage(it, lambda parent: _CountMalformedIterator(parent, limit=per_pass, on_exhausted=trailing.append))

@@ -1,0 +1,122 @@
+"""Each document's path down a fixed cluster tree of its corpus (`config.data.cluster`): what `memory.routing=cluster`
+reads its chapters by (hierarchical memories, Pouransari et al.).
+
+The tree (data/cluster_tree.py) and the idf of its embedding are fitted once on the training split and cached in
+`<data.data_dir>/cluster_trees/`, the file named by the dataset and the tree's parameters, so every process and every
+later run traverses the same tree. A document's text is its token ids decoded, so every source (text, token records,
+chat) and every split goes through the one traversal, and a probe's prompt is traversed as text.
+
+Paths are per token (`token_paths`): `document` gives every token its whole document's path (training: the path then
+tells a document's early positions something of its later tokens, at most levels·log2(k) bits); `prefix` gives token t
+the path of the document's tokens up to t (causal: what evaluation reports beside it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+
+import numpy as np
+
+from moc_jax.data.cluster_tree import Embedder, Tree, build_tree
+from moc_jax.data.sources import data_dir, open_source, read_manifest
+
+log = logging.getLogger("moc_jax")
+
+PATH_MODES = ("document", "prefix")
+_FORMAT = 1  # bump when the cached file's contents change meaning
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterIndex:
+  """A fitted embedding and the tree over it: texts -> their paths [n, levels] int32 (node index within each
+  level)."""
+  embedder: Embedder
+  tree: Tree
+
+  @property
+  def levels(self) -> int:
+    return self.tree.levels
+
+  def __call__(self, texts) -> np.ndarray:
+    return self.tree.paths(self.embedder(texts))
+
+  def save(self, path) -> None:
+    """Written under a temporary name and renamed: processes building the same tree at once never read half a
+    file."""
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, format=_FORMAT, **self.tree.arrays(), **self.embedder.arrays())
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path) -> ClusterIndex:
+    with np.load(path) as f:
+      return cls(Embedder.from_arrays(f), Tree.from_arrays(f))
+
+
+def fit_index(texts, k: int, levels: int, seed: int) -> ClusterIndex:
+  embedder = Embedder.fit(texts)
+  return ClusterIndex(embedder, build_tree(embedder(texts), k, levels, seed))
+
+
+def token_paths(index: ClusterIndex, ids, length: int, decode, mode: str) -> np.ndarray:
+  """[length, levels] int32 paths for the tokens of an element made from document `ids` (`length` <= len(ids) + 1:
+  the ids truncated, or the ids and an EOS). `document`: the whole document's path at every token; `prefix`: token t
+  the path of ids[:t + 1] (an EOS past the ids takes the whole document's)."""
+  if mode == "document":
+    return np.repeat(index([decode(ids)]), length, axis=0)
+  paths = index([decode(ids[:t + 1]) for t in range(min(length, len(ids)))])
+  return np.concatenate([paths, np.repeat(paths[-1:], length - len(paths), axis=0)])
+
+
+def _dataset_identity(config_data, tokenizer) -> dict:
+  """What decides the training split's texts: a cached tree is reused only for the same ones."""
+  name = config_data.name
+  kind, _, where = name.partition(":")
+  out = {"format": _FORMAT, "name": name, "tokenizer": tokenizer.fingerprint}
+  if name == "moc_facts":
+    out["facts"] = config_data.facts.to_dict()
+  elif kind == "tfds":
+    out["text_field"] = config_data.text_field
+  elif kind == "arrayrecord":
+    directory = os.path.abspath(os.path.expanduser(where))
+    out.update(name=f"arrayrecord:{directory}", train=((read_manifest(directory) or {}).get("splits") or {}).get("train"))
+  elif kind == "chat":
+    path = os.path.abspath(os.path.expanduser(where.replace("{split}", "train")))
+    stat = os.stat(path) if os.path.isfile(path) else None
+    out.update(name=f"chat:{path}", chat_format=config_data.chat_format,
+               file=None if stat is None else [stat.st_size, stat.st_mtime_ns])
+  return out
+
+
+def index_path(config_data, tokenizer) -> str:
+  """Where the tree of `config_data` is cached: named by the dataset (readable, and a digest of what decides its
+  training texts) and the tree's parameters."""
+  c = config_data.cluster
+  identity = json.dumps(_dataset_identity(config_data, tokenizer), sort_keys=True)
+  digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
+  slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", config_data.name).strip("_")[-40:]
+  return os.path.join(data_dir(config_data), "cluster_trees", f"{slug}-k{c.k}-l{c.levels}-s{c.seed}-{digest}.npz")
+
+
+def cluster_index(config_data, tokenizer) -> ClusterIndex | None:
+  """The dataset's cluster index (loaded from the cache, or fitted on the training split and cached), or None when
+  `data.cluster.k` is 0."""
+  c = config_data.cluster
+  if not c.k:
+    return None
+  path = index_path(config_data, tokenizer)
+  if os.path.isfile(path):
+    return ClusterIndex.load(path)
+  records, to_example = open_source(config_data, "train", tokenizer)
+  texts = [tokenizer.decode(example[0]) for example in map(to_example, (records[i] for i in range(len(records))))
+           if example is not None]
+  index = fit_index(texts, c.k, c.levels, c.seed)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  index.save(path)
+  log.warning("moc_jax: cluster tree (k=%d, %d levels) fitted on %d training documents -> %s", c.k, c.levels,
+              len(texts), path)
+  return index

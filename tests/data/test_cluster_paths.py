@@ -1,0 +1,136 @@
+"""Cluster paths in the batch (data/cluster_paths.py, data/pipeline.py): every token carries the path of its own
+document's text through each layout, -1 on padding; `prefix` paths follow the text up to the token; the tree is
+cached by its parameters; the iterator resumes exactly."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moc_jax.config import data_config
+from moc_jax.data import make_eval_batches, make_train_iterator
+from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, index_path
+from moc_jax.data.cluster_tree import Embedder
+from moc_jax.data.facts import facts_builder
+from moc_jax.data.tokenizers import get_tokenizer
+from moc_jax.errors import DataError
+
+BYTE = get_tokenizer("byte")
+FACTS = {"num_entities": 40, "num_docs": 300, "num_val_docs": 30}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp("data"))
+  c = data_config()
+  c.facts.update(FACTS)
+  facts_builder(c.facts, root)
+  return root
+
+
+def _config(data_dir, **overrides):
+  """256-token rows: every moc_facts document fits one whole, so a row's documents can be read back."""
+  c = data_config()
+  c.facts.update(FACTS)
+  c.data_dir, c.seq_len, c.batch_size = data_dir, 256, 4
+  c.cluster.update(k=4, levels=2)
+  c.update(overrides)
+  return c
+
+
+def _documents(batch):
+  """(row, its positions, the document's text) of every document of a batch, by segment (or the row's mask)."""
+  out = []
+  for row in range(len(batch["input_ids"])):
+    segments = batch["segment_ids"][row] if "segment_ids" in batch else batch["attention_mask"][row]
+    for s in np.unique(segments[segments > 0]):
+      where = np.flatnonzero(segments == s)
+      out.append((row, where, BYTE.decode(batch["input_ids"][row, where])))
+  return out
+
+
+@pytest.mark.parametrize("layout", ["pack_whole", "pad_truncate"])
+def test_every_token_carries_its_own_documents_path(data_dir, layout):
+  c = _config(data_dir, layout=layout)
+  index = cluster_index(c, BYTE)
+  it = make_train_iterator(c)
+  for _ in range(3):
+    batch = next(it)
+    assert batch["cluster_path"].shape == (4, 256, 2) and batch["cluster_path"].dtype == np.int32
+    docs = _documents(batch)
+    assert len(docs) > 4 or layout == "pad_truncate"
+    for row, where, text in docs:
+      np.testing.assert_array_equal(batch["cluster_path"][row, where], np.repeat(index([text]), len(where), 0))
+    assert (batch["cluster_path"][batch["attention_mask"] == 0] == -1).all()
+    assert (batch["cluster_path"][batch["attention_mask"] == 1] >= 0).all()
+
+
+def test_pack_splits_a_path_with_its_document(data_dir):
+  """`pack` cuts documents at row ends: each piece is a segment of its own, every token of it on one path."""
+  batch = next(make_train_iterator(_config(data_dir, layout="pack", seq_len=64)))
+  for row, where, _ in _documents(batch):
+    assert (batch["cluster_path"][row, where] == batch["cluster_path"][row, where[0]]).all()
+
+
+def test_prefix_paths_follow_the_text_up_to_each_token(data_dir):
+  c = _config(data_dir, layout="pad_truncate")
+  index = cluster_index(c, BYTE)
+  document = next(make_eval_batches(c))
+  prefix = next(make_eval_batches(c, paths="prefix"))
+  n = int(prefix["attention_mask"][0].sum())
+  ids = prefix["input_ids"][0, :n]
+  np.testing.assert_array_equal(prefix["cluster_path"][0, :n], index([BYTE.decode(ids[:t + 1]) for t in range(n)]))
+  np.testing.assert_array_equal(prefix["cluster_path"][0, n - 1], document["cluster_path"][0, 0])
+  assert (prefix["cluster_path"][0, :n] != prefix["cluster_path"][0, n - 1]).any()  # the name moves it
+
+
+@pytest.mark.parametrize("layout, skip", [("pack_whole", 3), ("pad_truncate", 5), ("pack", 2)])
+def test_resume_restores_the_paths_exactly(data_dir, layout, skip):
+  c = _config(data_dir, layout=layout)
+  it = make_train_iterator(c)
+  for _ in range(skip):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = [next(it) for _ in range(3)]
+  resumed = make_train_iterator(c)
+  resumed.set_state(state)
+  for a, b in zip(expected, [next(resumed) for _ in range(3)]):
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_the_tree_is_cached_by_its_parameters(data_dir):
+  c = _config(data_dir)
+  path = index_path(c, BYTE)
+  first = cluster_index(c, BYTE)
+  mtime = os.stat(path).st_mtime_ns
+  again = cluster_index(c, BYTE)
+  assert os.stat(path).st_mtime_ns == mtime  # read back, not fitted again
+  texts = ["Mira Tolven was born in Karsk.", "an unrelated line"]
+  np.testing.assert_array_equal(first(texts), again(texts))
+  assert len({index_path(_config(data_dir, cluster={"k": k, "levels": levels, "seed": seed}), BYTE)
+              for k, levels, seed in ((4, 2, 0), (8, 2, 0), (4, 1, 0), (4, 2, 1))}) == 4
+  other = _config(data_dir)
+  other.facts.seed = 1
+  assert index_path(other, BYTE) != path
+  assert cluster_index(_config(data_dir, cluster={"k": 0}), BYTE) is None
+
+
+def test_index_save_and_load_keep_its_paths(data_dir, tmp_path):
+  index = cluster_index(_config(data_dir), BYTE)
+  index.save(tmp_path / "index.npz")
+  back = ClusterIndex.load(tmp_path / "index.npz")
+  assert back.embedder == index.embedder and back.levels == 2
+  texts = [f"entity {i} works as a baker" for i in range(20)]
+  np.testing.assert_array_equal(back(texts), index(texts))
+
+
+def test_a_word_the_corpus_never_had_weighs_nothing():
+  embed = Embedder.fit(["red apple", "green apple", "red pear"], dim=32)
+  np.testing.assert_array_equal(embed(["red zzz qqq"]), embed(["red"]))
+  assert (embed(["zzz"]) == 0).all()
+
+
+@pytest.mark.parametrize("field, value", [("k", -1), ("k", 1), ("levels", 0), ("seed", -1)])
+def test_invalid_cluster_fields_name_the_field(data_dir, field, value):
+  with pytest.raises(DataError, match=f"config.data.cluster.{field}:"):
+    make_train_iterator(_config(data_dir, cluster={field: value}))
