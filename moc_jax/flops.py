@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from moc_jax.config import bank_ids, memory_layers, router_factors
+from moc_jax.config import bank_ids, chapters_read, memory_layers, router_factors
 from moc_jax.model.product_keys import product_candidates
 
 SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
@@ -133,9 +133,9 @@ def _standard_layer(m, b, l):
 
 
 def selected_tokens(c) -> int:
-  """Memory tokens each sequence reads: its shared plus routed chapters."""
+  """Memory tokens each decision reads: its shared plus routed chapters (`config.chapters_read`)."""
   mem = c.memory
-  return (mem.num_shared + mem.top_k) * (mem.num_tokens // mem.num_chapters)
+  return chapters_read(c) * (mem.num_tokens // mem.num_chapters)
 
 
 def grid_router_aux(n, s, a, b, routable, k):
@@ -197,6 +197,8 @@ def _router(c, b, l):
   statistics the train step runs, whose cost grows with the bank through two [a, n] x [n, b] matmuls, O(C) reductions
   over the step's loads and, with the aux-free bias, the expanded top-k."""
   mem, d = c.memory, c.model.d_model
+  if mem.routing == "cluster":  # no router: the chapters come with the batch
+    return {}, {}
   if mem.routing == "sequence":
     decisions, pool = b, mean_pool(b, l, d)
   else:

@@ -24,10 +24,10 @@ from absl import flags
 from flax import nnx
 
 from moc_jax import cli, sharding
-from moc_jax.config import load_run_config, validate
+from moc_jax.config import load_run_config, reads_cluster_paths, validate
 from moc_jax.config.schema import DECODE_ROUTINGS, base_config
 from moc_jax.data.tokenizers import model_tokenizer
-from moc_jax.errors import UsageError
+from moc_jax.errors import ConfigError, UsageError
 from moc_jax.model import decode
 from moc_jax.model.routing import resolve_decode_routing
 from moc_jax.state import build_state, restore_params
@@ -130,6 +130,10 @@ def run(workdir, prompts, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
   config = load_run_config(workdir, overrides)
   validate(config)
   config.lock()
+  if reads_cluster_paths(config):
+    raise ConfigError(f"config.memory.routing: {workdir} reads its chapters by cluster paths, which cached decoding "
+                      "does not compute yet — score prompts with `python -m moc_jax.eval` (probes read by their "
+                      "prompt's path)")
   tokenizer = model_tokenizer(config)
   encoded = [tokenizer.encode(p) for p in prompts]
   limit, longest = config.model.max_seq_len, max(len(e) for e in encoded)

@@ -34,12 +34,13 @@ def next_token_ce(logits, labels):
 
 
 def _inputs(batch):
-  return (batch["input_ids"], batch.get("attention_mask")), {"segment_ids": batch.get("segment_ids"),
-                                                             "positions": batch.get("positions")}
+  return (batch["input_ids"], batch.get("attention_mask")), {
+      "segment_ids": batch.get("segment_ids"), "positions": batch.get("positions"),
+      "cluster_path": batch.get("cluster_path")}
 
 
 def forward(model, batch, *, train, **extra):
-  """The model on a data batch dict (optional keys: attention_mask, segment_ids, positions)."""
+  """The model on a data batch dict (optional keys: attention_mask, segment_ids, positions, cluster_path)."""
   args, kwargs = _inputs(batch)
   return model(*args, **kwargs, train=train, **extra)
 

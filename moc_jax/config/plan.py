@@ -18,6 +18,19 @@ def routing_is_causal(c) -> bool:
               and c.memory.routing not in CAUSAL_ROUTINGS)
 
 
+def reads_cluster_paths(c) -> bool:
+  """Whether the model reads its chapters by the batch's cluster paths (`memory.routing=cluster`): every input it
+  is given then needs each token's path (data/cluster_paths.py)."""
+  return bool(c.memory.enabled and memory_layers(c) and c.memory.kind == "chapters" and c.memory.routing == "cluster")
+
+
+def chapters_read(c) -> int:
+  """Chapters each routing decision reads: the shared ones and the top-k routed, or under cluster routing the ones
+  owned by the nodes of a path (one memory.cluster_chapters entry per level)."""
+  routed = sum(c.memory.cluster_chapters) if c.memory.routing == "cluster" else c.memory.top_k
+  return c.memory.num_shared + routed
+
+
 def routing_statement(c) -> str:
   """One line for the training log: the routing mode and whether the run is causal."""
   if not (c.memory.enabled and memory_layers(c)):
@@ -29,6 +42,9 @@ def routing_statement(c) -> str:
   if c.memory.routing == "segment":
     return ("memory.routing=segment: NOT causal (each document's chapters are chosen from all its tokens, "
             "future ones included)")
+  if c.memory.routing == "cluster":
+    return ("memory.routing=cluster: NOT causal in training (each document reads the chapters of its whole text's "
+            "path down the cluster tree); evaluation also reports CE with each token's path from its prefix")
   return ("memory.routing=sequence: NOT causal (each row's chapters are chosen from all its tokens, "
           "future ones included; MoC-PT's paper mode)")
 

@@ -21,7 +21,7 @@ PLACEMENTS = ("all", "first_k", "last_k", "every_n", "spread", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
-ROUTINGS = ("sequence", "segment", "token", "prefix", "chunk")
+ROUTINGS = ("sequence", "segment", "token", "prefix", "chunk", "cluster")
 CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend only on tokens at or before it
 DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
 SHARDED_READS = ("auto", "ring", "scatter")
@@ -102,8 +102,12 @@ def base_config():
   mem.token_norm_eps = 1e-5
   mem.sharded_read = "auto"      # auto | ring | scatter : reading a chapter-sharded bank (model/chapter_read.py)
   # sequence (MoC-PT's paper mode) | segment (one decision per packed document): NOT causal;
-  # token | prefix | chunk: causal (prefix and chunk pool within the position's document)
+  # token | prefix | chunk: causal (prefix and chunk pool within the position's document);
+  # cluster: no router, a document reads the chapters of the nodes on its path down data.cluster's tree (NOT causal)
   mem.routing = "sequence"
+  # cluster routing: r_l chapters owned by each node of level l (one entry per data.cluster.levels); the routable
+  # chapters num_chapters - num_shared must be sum_l r_l * k**l, and a document reads num_shared + sum_l r_l
+  mem.cluster_chapters = ()
   mem.routing_chunk = 64         # chunk routing: positions per routing decision
   # what a pooled decision (every routing but token) averages: mean (MoC-PT's: every position alike) | attention
   # (each position weighted by exp of a learned query's score on it, capped; the query starts at zero = mean)

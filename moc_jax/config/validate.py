@@ -151,6 +151,8 @@ def _validate_chapters(c):
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef",
             "aux_free_rate"):
     _positive(c, f"memory.{f}", allow_zero=True)
+  if mem.routing == "cluster":
+    _validate_cluster(c)
   if mem.routing_pool == "attention" and mem.routing == "token":
     _fail("memory.routing_pool", "attention pooling with token routing, which pools nothing (each position routes "
           "on its own input)", "use routing_pool=mean, or a pooled routing (prefix, chunk, segment, sequence)")
@@ -173,6 +175,32 @@ def _validate_chapters(c):
   if mem.num_heads % mem.num_kv_heads:
     _fail("memory.num_kv_heads", f"{mem.num_kv_heads} does not divide memory.num_heads {mem.num_heads}",
           "pick a divisor of memory.num_heads")
+
+
+def _validate_cluster(c):
+  """cluster routing: the batch's paths (data.cluster) name the chapters, each node of level l owning
+  memory.cluster_chapters[l] of the routable ones; no router, so nothing that shapes one applies."""
+  mem, cluster = c.memory, c.data.cluster if "data" in c else None
+  if cluster is None or not cluster.k:
+    _fail("data.cluster.k", "0 with memory.routing='cluster': the batches carry no cluster paths to read by",
+          "set data.cluster.k (the tree's branching, e.g. 16) and data.cluster.levels")
+  per_level = tuple(mem.cluster_chapters)
+  if len(per_level) != cluster.levels or any(not isinstance(r, int) or isinstance(r, bool) or r < 0
+                                             for r in per_level) or not any(per_level):
+    _fail("memory.cluster_chapters", f"{per_level!r} is not {cluster.levels} integers >= 0 (one per level of "
+          f"data.cluster.levels={cluster.levels}), not all 0", "give the chapters each node of a level owns, e.g. "
+          f"{(1,) * cluster.levels}")
+  owned = sum(r * cluster.k ** (level + 1) for level, r in enumerate(per_level))
+  if mem.num_chapters - mem.num_shared != owned:
+    _fail("memory.num_chapters", f"{mem.num_chapters} leaves {mem.num_chapters - mem.num_shared} routable chapters "
+          f"beside num_shared={mem.num_shared}, and the tree's nodes own {owned} (sum of cluster_chapters[l] * "
+          f"data.cluster.k**(l+1))", f"set num_chapters={mem.num_shared + owned} (and num_tokens to a multiple)")
+  if mem.routing_pool != "mean":
+    _fail("memory.routing_pool", f"{mem.routing_pool!r} with memory.routing='cluster', which has no router to pool "
+          "for", "leave memory.routing_pool='mean'")
+  if mem.load_balance == "aux_free":
+    _fail("memory.load_balance", "'aux_free' with memory.routing='cluster': there is no router whose choice a bias "
+          "could move", "use 'routed' or 'mocpt' (no router, so neither term applies)")
 
 
 def _validate_train(c):

@@ -83,7 +83,8 @@ def _dataset_identity(config_data, tokenizer) -> dict:
     out["text_field"] = config_data.text_field
   elif kind == "arrayrecord":
     directory = os.path.abspath(os.path.expanduser(where))
-    out.update(name=f"arrayrecord:{directory}", train=((read_manifest(directory) or {}).get("splits") or {}).get("train"))
+    splits = (read_manifest(directory) or {}).get("splits") or {}
+    out.update(name=f"arrayrecord:{directory}", train=splits.get("train"))
   elif kind == "chat":
     path = os.path.abspath(os.path.expanduser(where.replace("{split}", "train")))
     stat = os.stat(path) if os.path.isfile(path) else None

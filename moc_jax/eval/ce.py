@@ -12,10 +12,11 @@ from moc_jax.losses import forward, next_token_nll
 from moc_jax.state import eval_data_config
 
 
-def split_batches(config, split: str) -> list[dict]:
-  """The split's global eval batches (the training evaluation's rows, `train.eval_batches` of them)."""
+def split_batches(config, split: str, paths: str = "document") -> list[dict]:
+  """The split's global eval batches (the training evaluation's rows, `train.eval_batches` of them); `paths`: the
+  cluster paths' mode (data/cluster_paths.py) when the batches carry them."""
   return list(data_lib.make_eval_batches(eval_data_config(config), split=split,
-                                         max_batches=config.train.eval_batches))
+                                         max_batches=config.train.eval_batches, paths=paths))
 
 
 # per memory layer and batch, averaged by eval.routing.Usage (pool_share: with memory.routing_pool=attention)
@@ -41,9 +42,11 @@ class CEEvaluator:
 
     self.step = jax.jit(step, in_shardings=(p_shard, batch_sharding))
 
-  def __call__(self, params, on_routing=None) -> dict:
+  def __call__(self, params, on_routing=None, batches=None) -> dict:
+    """`batches`: others of the same shapes (the same split with prefix cluster paths) in place of the evaluator's
+    own, through the same compiled step."""
     nll, count = 0.0, 0
-    for b in self.batches:
+    for b in self.batches if batches is None else batches:
       b = {k: v for k, v in b.items() if k != "n_malformed"}
       # every process holds the whole global batch and hands each of its devices that device's rows
       out = self.step(params, {k: jax.make_array_from_callback(v.shape, self.sharding, lambda i, v=v: v[i])

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moc_jax.config import reads_cluster_paths
+from moc_jax.data.cluster_paths import cluster_index
 from moc_jax.eval.scoring import Scorer, chunk_rows, continuation, everywhere, in_chunks, make_rows, pad_rows, stderr
 
 HEAD_DOCS = 10  # a fact is "head" if its entity has at least this many training documents
@@ -26,15 +28,33 @@ def select_probes(probes, n, seed):
   return [seen[i] for i in sorted(order)]
 
 
+def with_prompt_paths(config, probes, tokenizer):
+  """`probes`, each with its prompt's cluster path ("cluster_path" [levels]) when the model reads by one
+  (memory.routing=cluster): the prompt's alone, never the answer's, so a probe fetches what its question points at."""
+  if not reads_cluster_paths(config):
+    return probes
+  paths = cluster_index(config.data, tokenizer)([p["prompt"] for p in probes])
+  return [{**p, "cluster_path": path} for p, path in zip(probes, paths)]
+
+
+def _row_paths(paths, width):
+  """Per-row paths [N, levels] (or None) at every one of `width` positions -> [N, width, levels]."""
+  return None if paths is None else np.repeat(paths[:, None], width, axis=1)
+
+
 class ProbeEvaluator:
-  """Scores a fixed list of probes with the current params (jitted; shapes fixed per run)."""
+  """Scores a fixed list of probes with the current params (jitted; shapes fixed per run). Probes carrying a
+  "cluster_path" (`with_prompt_paths`) read by it at every position of their rows."""
 
   def __init__(self, graphdef, probes, tokenizer, batch_rows: int = 64):
     self.probes = probes
     self.num_candidates = len(probes[0]["candidates"])
     self.scorer = Scorer(graphdef, batch_rows)
-    self.rows = make_rows([(tokenizer.encode(p["prompt"]), tokenizer.encode(continuation(p["prompt"], cand)))
-                           for p in probes for cand in p["candidates"]], tokenizer.pad_id)
+    paths = np.array([p["cluster_path"] for p in probes], np.int32) if "cluster_path" in probes[0] else None
+    rows = make_rows([(tokenizer.encode(p["prompt"]), tokenizer.encode(continuation(p["prompt"], cand)))
+                      for p in probes for cand in p["candidates"]], tokenizer.pad_id)
+    candidate_paths = None if paths is None else np.repeat(paths, self.num_candidates, axis=0)
+    self.rows = rows._replace(paths=_row_paths(candidate_paths, rows.ids.shape[1]))
     self.answer_index = np.array([p["candidates"].index(p["answer"]) for p in probes])
     self.prompts = [tokenizer.encode(p["prompt"]) for p in probes]
     self.answers = [tokenizer.encode(continuation(p["prompt"], p["answer"])) for p in probes]
@@ -43,17 +63,18 @@ class ProbeEvaluator:
     self.gen_mask[:] = 0
     for i, p in enumerate(self.prompts):
       self.gen_mask[i, :len(p)] = 1
+    self.gen_paths = _row_paths(paths, self.gen_ids.shape[1])
     self.num_new = max(len(a) for a in self.answers)
     self.gen_rows = chunk_rows(len(probes), batch_rows)
 
     @functools.partial(jax.jit, static_argnums=4)
-    def greedy(params, ids, mask, starts, num_new):
+    def greedy(params, ids, mask, starts, num_new, paths=None):
       model = nnx.merge(graphdef, params)
       rows = jnp.arange(ids.shape[0])
 
       def body(i, carry):
         ids, mask = carry
-        logits, _ = model(ids, mask, train=False)
+        logits, _ = model(ids, mask, cluster_path=paths, train=False)
         pos = starts + i
         nxt = jnp.argmax(logits[rows, pos - 1], axis=-1).astype(ids.dtype)
         return ids.at[rows, pos].set(nxt), mask.at[rows, pos].set(1)
@@ -68,8 +89,9 @@ class ProbeEvaluator:
     scores = loglik / np.maximum(count, 1).astype(np.float32)
     correct = scores.reshape(len(self.probes), self.num_candidates).argmax(-1) == self.answer_index
     starts = np.array([len(p) for p in self.prompts], np.int32)
-    out = in_chunks(lambda ids, mask, st: self._greedy(params, ids, mask, st, self.num_new), self.gen_rows,
-                    self.gen_ids, self.gen_mask, starts)
+    arrays = (self.gen_ids, self.gen_mask, starts) + (() if self.gen_paths is None else (self.gen_paths,))
+    out = in_chunks(lambda ids, mask, st, *paths: self._greedy(params, ids, mask, st, self.num_new, *paths),
+                    self.gen_rows, *arrays)
     exact = np.array([out[i, s:s + len(a)].tolist() == a for i, (s, a) in enumerate(zip(starts, self.answers))])
     return correct, exact
 

@@ -5,7 +5,8 @@ written to eval.json (+ routing plots) and summarised as a markdown table.
 A run whose routing is not causal (`sequence`, `segment`: a decision pools tokens after the position it serves)
 is also scored with the same weights routed causally (`CAUSAL_ROUTING`), reported as `causally_routed` beside its
 own CE: the difference is what the routing input saw of the tokens being predicted. A causal run's CE has no
-such leak, so it gets no second figure.
+such leak, so it gets no second figure. A `cluster` run reads by each document's whole path; its second figure
+(`prefix_paths`) reads by each token's path from its document up to it, and its probes by their prompt's path.
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from flax import nnx
 from moc_jax import data as data_lib
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
-from moc_jax.config import memory_layers, routing_is_causal
+from moc_jax.config import memory_layers, reads_cluster_paths, routing_is_causal
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
 from moc_jax.eval.ce import CEEvaluator, split_batches
-from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes
+from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes, with_prompt_paths
 from moc_jax.eval.scoring import Scorer, stderr
 from moc_jax.model import quantize
 from moc_jax.model.build import abstract_model
@@ -83,6 +84,9 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   o = options or EvalOptions()
   questions = _mcq_questions(o)  # bad input fails here, before anything is restored or compiled
   ablation = ra.parse_ablation(o.ablate_chapters, config) if o.ablate_chapters else None
+  if questions and reads_cluster_paths(config):
+    raise ConfigError("--mcq with memory.routing=cluster: MCQ contexts are not given cluster paths yet; evaluate "
+                      "without --mcq")
   if o.quantize_bank and not memory_layers(config):
     raise ConfigError(f"--quantize_bank={o.quantize_bank}: {config.name} has no memory bank to quantize")
   if o.quantize_bank and config.memory.kind != "chapters":
@@ -101,13 +105,15 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
     split_eval = CEEvaluator(graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
                              split_batches(config, o.split), routing=True)
     report.update(split_eval(params, usage.add if usage else None))
-    if not routing_is_causal(config):
+    if reads_cluster_paths(config):
+      report["prefix_paths"] = _prefix_paths(config, o.split, split_eval, params, report)
+    elif not routing_is_causal(config):
       report["causally_routed"] = _causally_routed(config, layout.shardings["params"], split_eval, params, report)
     probes = None
     if config.data.name == "moc_facts":
       all_probes = data_lib.load_probes(config.data)
-      probes = select_probes(all_probes, config.train.num_probes if o.num_probes is None
-                             else (o.num_probes or len(all_probes)), config.seed)
+      probes = with_prompt_paths(config, select_probes(all_probes, config.train.num_probes if o.num_probes is None
+                                                       else (o.num_probes or len(all_probes)), config.seed), tokenizer)
       report["fact_recall"] = _fact_recall(ProbeEvaluator(graphdef, probes, tokenizer), params, o.bucket_edges)
     if questions:
       scorer = Scorer(graphdef)
@@ -123,7 +129,7 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
       spread = ra.balance_bias_spread(params, config.memory.num_shared)
       for layer, value in zip(report["routing"]["layers"], spread or ()):
         layer["bias_spread"] = value
-      if probes and chapters:
+      if probes and chapters and not reads_cluster_paths(config):  # stability is a router's
         report["routing"]["stability"] = ra.stability(ra.Router(graphdef), params, probes, tokenizer, config)
       stem = os.path.splitext(out_path)[0]
       report["files"].update(routing_heatmap=stem + "_routing_heatmap.png", routing_usage=stem + "_routing_usage.png")
@@ -158,6 +164,13 @@ def _causally_routed(config, p_shard, split_eval, params, report) -> dict:
   graphdef = nnx.split(abstract_model(causal), nnx.Param)[0]
   out = CEEvaluator(graphdef, p_shard, split_eval.sharding, split_eval.batches)(params)
   return {"routing": CAUSAL_ROUTING, **out, "ce_delta": out["ce"] - report["ce"]}
+
+
+def _prefix_paths(config, split, split_eval, params, report) -> dict:
+  """CE of `params` on the split's batches with each token's cluster path from its document up to it (causal),
+  against the run's own CE, which reads by each document's whole path."""
+  out = split_eval(params, batches=split_batches(config, split, paths="prefix"))
+  return {**out, "ce_delta": out["ce"] - report["ce"]}
 
 
 def _fact_recall(evaluator, params, edges) -> dict:
@@ -225,6 +238,10 @@ def markdown_table(report: dict) -> str:
   if causal:
     lines += [f"| {report['split']} CE routed causally (`{causal['routing']}`, same weights) | {causal['ce']:.4f} |",
               f"| future-token leak in the CE above (causal − own routing) | {causal['ce_delta']:+.4f} |"]
+  prefix = report.get("prefix_paths")
+  if prefix:
+    lines += [f"| {report['split']} CE, each token's cluster path from its prefix | {prefix['ce']:.4f} |",
+              f"| future-token leak of the whole document's path (prefix − own) | {prefix['ce_delta']:+.4f} |"]
   lines += [f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
   fr = report.get("fact_recall")
   if fr:

@@ -73,6 +73,7 @@ class Rows(NamedTuple):
   mask: np.ndarray
   labels: np.ndarray
   truncated: int  # rows whose context lost its first tokens to fit max_len
+  paths: np.ndarray | None = None  # [N, W, levels] the cluster path each position reads by (memory.routing=cluster)
 
 
 def make_rows(pairs, pad_id: int, max_len: int | None = None) -> Rows:
@@ -99,13 +100,14 @@ class Scorer:
     self.batch_rows = batch_rows
 
     @jax.jit
-    def score(params, ids, mask, labels):
-      logits, _ = nnx.merge(graphdef, params)(ids, mask, train=False)
+    def score(params, ids, mask, labels, paths=None):
+      logits, _ = nnx.merge(graphdef, params)(ids, mask, cluster_path=paths, train=False)
       nll, count = next_token_nll_rows(logits, labels)
       return everywhere(-nll), everywhere(count)
 
     self._score = score
 
   def __call__(self, params, rows: Rows):
-    fn = lambda ids, mask, labels: self._score(params, ids, mask, labels)  # noqa: E731
-    return in_chunks(fn, chunk_rows(len(rows.ids), self.batch_rows), rows.ids, rows.mask, rows.labels)
+    fn = lambda *arrays: self._score(params, *arrays)  # noqa: E731
+    arrays = (rows.ids, rows.mask, rows.labels) + (() if rows.paths is None else (rows.paths,))
+    return in_chunks(fn, chunk_rows(len(rows.ids), self.batch_rows), *arrays)

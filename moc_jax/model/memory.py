@@ -14,7 +14,11 @@ routing.py). MoC-PT's semantics: docs/mocpt_semantics.md.
 * `prefix` — causal sequence mode: position t routes on the mean of its document's non-pad inputs at <= t.
 * `chunk` — block-causal: positions of chunk j (`routing_chunk` long) route on the mean of their
   document's non-pad inputs before the chunk (none: the router bias alone).
-`segment`, `prefix` and `chunk` mix chapters as `sequence` does (weights scale keys and values, one softmax).
+* `cluster` — no router: each position reads the shared chapters and those of the nodes on its document's path
+  down the cluster tree (`data.cluster`; the batch's cluster_path), a fixed number, mixed as a router's uniform
+  choice would be. NOT causal when the path is the whole document's (training).
+`segment`, `prefix`, `chunk` and `cluster` mix chapters as `sequence` does (weights scale keys and values, one
+softmax).
 The per-position modes project the (normalised) bank's keys and values once per layer call and read
 them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
 Cached decoding (`MemoryLayer.decode`) routes by `memory.decode_routing`, which adds the decode-only
@@ -32,9 +36,9 @@ from moc_jax.config.schema import CAUSAL_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import attention, dense, normalize_tokens, param_init, RMSNorm
 from moc_jax.model.quantize import dequantize
-from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, grid_route, grid_router_losses,
-                                   mix_weights, per_position, pool_share, resolve_decode_routing, route,
-                                   router_losses, routing_input, with_shared)
+from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, cluster_chapters, grid_route,
+                                   grid_router_losses, mix_weights, per_position, pool_share, resolve_decode_routing,
+                                   route, router_losses, routing_input, with_shared)
 from moc_jax.sharding import current
 
 
@@ -133,7 +137,8 @@ class MemoryLayer(nnx.Module):
 
   `route_input` is the layer input (the residual stream before the block's norms); `x` is the
   residual stream at the point the block reads memory; `valid` [B, L] marks non-pad positions and
-  `segments` [B, L] the documents of packed rows (segment, prefix and chunk routing stay inside one).
+  `segments` [B, L] the documents of packed rows (segment, prefix and chunk routing stay inside one); `paths`
+  [B, L, levels] each position's document's cluster path (cluster routing, which has no router).
   """
 
   def __init__(self, cfg, rngs):
@@ -148,7 +153,9 @@ class MemoryLayer(nnx.Module):
     self.token_norm = mem.token_norm if mem.num_shared > 0 else "none"
     self.token_norm_eps = mem.token_norm_eps
     self.sharded_read = mem.sharded_read
-    self.router = Router(cfg, rngs)
+    self.router = Router(cfg, rngs) if mem.routing != "cluster" else None
+    self.cluster = (cfg.data.cluster.k, tuple(mem.cluster_chapters)) if mem.routing == "cluster" else None
+    self.num_chapters = mem.num_chapters
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
@@ -183,7 +190,9 @@ class MemoryLayer(nnx.Module):
     stats.update(chapters=chapters, weights=weights)
     return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
-  def __call__(self, h, route_input, bank, valid=None, segments=None):
+  def __call__(self, h, route_input, bank, valid=None, segments=None, paths=None):
+    if self.cluster is not None:
+      return self.read_cluster(h, bank, valid, paths)
     weights = self.router.weigh(route_input, valid)
     pooled = routing_input(route_input, valid, self.routing, self.chunk, segments, weights)
     if self.routing == "sequence":
@@ -239,12 +248,33 @@ class MemoryLayer(nnx.Module):
   def read_per_position(self, h, pooled, bank, routing):
     """segment / token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
     routed_ids, routed_w, stats = self.decide(pooled)
+    if routing == "token":
+      return self.read_positions(h, routed_ids, routed_w, bank, routing, stats)
+    chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
+    return self.read_positions(h, chapters, weights, bank, routing, stats)
+
+  def read_cluster(self, h, bank, valid, paths):
+    """cluster routing: every position reads the chapters of its document's path (`cluster_chapters`), weighted as
+    a router that chose them uniformly would weigh them (`mix_weights`). Stats: the chapters and weights, and `load`,
+    the routed reads per chapter over the real positions (the router health a router's choice would report)."""
+    if paths is None:
+      raise ValueError("memory.routing=cluster reads the chapters of each document's cluster path: pass cluster_path "
+                       "[B, L, levels] (the batch's, with data.cluster.k > 0)")
+    chapters = cluster_chapters(paths, self.num_shared, *self.cluster)
+    routed = chapters.shape[-1] - self.num_shared
+    weights = mix_weights(jnp.full(chapters.shape[:-1] + (routed,), 1.0 / routed), self.num_shared, self.scaling)
+    routed_ids = chapters[..., self.num_shared:]
+    real = jnp.ones(routed_ids.shape[:-1]) if valid is None else valid.astype(jnp.float32)
+    load = jnp.zeros((self.num_chapters,), jnp.float32).at[routed_ids].add(
+        jnp.broadcast_to(real[..., None], routed_ids.shape))
+    return self.read_positions(h, chapters, weights, bank, "cluster", {"load": load})
+
+  def read_positions(self, h, chapters, weights, bank, routing, stats):
+    """Each position (or chunk, `per_position`) reads `chapters` [B, D, S] weighted by `weights`: in one softmax
+    whose keys and values the weights scale, or, under token routing, the routed chapters by one softmax each
+    (weights `routed_scaling_factor * w`) and the shared ones by their own attention (weight 1)."""
     q = self.attn.queries(self.norm(h))
-    token = routing == "token"  # shared chapters: their own attention, weight 1; routed: one softmax each
-    if token:
-      chapters, weights = routed_ids, routed_w
-    else:
-      chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)
+    token = routing == "token"
     bank, slots, rows = rows_in_use(bank, chapters, self.num_shared)
     if rows is not None:
       stats["rows"] = rows
@@ -255,7 +285,7 @@ class MemoryLayer(nnx.Module):
       return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
 
     if token:
-      out = read(slots, jnp.ones_like(routed_w), self.scaling * routed_w, "moe")
+      out = read(slots, jnp.ones_like(weights), self.scaling * weights, "moe")
       if self.num_shared:
         shared = normalize_tokens(dequantize(bank[:self.num_shared]), self.token_norm, self.token_norm_eps)
         ks, vs = self.attn.keys_values(jnp.broadcast_to(shared.reshape(1, -1, shared.shape[-1]),

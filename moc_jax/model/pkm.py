@@ -42,11 +42,12 @@ class PKMLayer(nnx.Module):
       self.out = dense(value_dim, m.d_model, 0.0 if mem.wo_init_zero else m.init_std, ("value_embed", "embed"), dt,
                        rngs)
 
-  def __call__(self, h, route_input, bank, valid=None, segments=None):
+  def __call__(self, h, route_input, bank, valid=None, segments=None, paths=None):
     """The read at the residual stream h [B, L, d] from `bank` (the value table [N, d_v], or a `BankRows`)
     -> (out [B, L, d], {"slots": [B, L, heads, k] the slots read[, "rows": the rows of a BankRows]}).
-    `route_input`, `valid` and `segments` are the chapter read's: a token's lookup needs its own input alone."""
-    del route_input, valid, segments
+    `route_input`, `valid`, `segments` and `paths` are the chapter read's: a token's lookup needs its own input
+    alone."""
+    del route_input, valid, segments, paths
     x = self.norm(h)
     ids, weights = self.keys(self.query(x).reshape(x.shape[:2] + (self.heads, self.key_dim)))
     y, stats = read_slots(bank, ids, weights, sum_heads=True)

@@ -64,6 +64,21 @@ def with_shared(routed_ids, num_shared):
   return jnp.concatenate([jnp.broadcast_to(shared, routed_ids.shape[:-1] + (num_shared,)), routed_ids], -1)
 
 
+def cluster_chapters(paths, num_shared, k, per_level):
+  """`memory.routing=cluster`: the chapters each position reads, from its document's path down the cluster tree.
+
+  paths [..., levels] (the node's index within each level, `data.cluster`; negative on padding, read as node 0) ->
+  chapter ids [..., s + Σ r_l]: the shared chapters, then for each level l the r_l = per_level[l] chapters of the
+  path's node there. The routable chapters are laid out level by level, node by node: level l's start after the
+  r_m·k^(m+1) chapters of each level m above it, and node j's are r_l consecutive ones from j·r_l."""
+  ids, start = [], num_shared
+  for level, r in enumerate(per_level):
+    node = jnp.maximum(paths[..., level], 0).astype(jnp.int32)
+    ids.append(start + node[..., None] * r + jnp.arange(r, dtype=jnp.int32))
+    start += r * k ** (level + 1)
+  return with_shared(jnp.concatenate(ids, axis=-1), num_shared)
+
+
 def router_losses(logits, probs, routed_ids, num_shared, load_balance):
   """Per-layer router statistics: the losses (load balance by `memory.load_balance`, z-loss, MSE aux,
   entropy; MoC-PT's) and the router's health.

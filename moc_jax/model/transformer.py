@@ -50,8 +50,8 @@ class Block(nnx.Module):
     """Whether the memory is a block of its own that runs before this one (hml), not a read inside it."""
     return isinstance(self.memory, HMLBlock)
 
-  def __call__(self, h, positions, mask, valid, segments, bank):
-    """-> (h, router stats of the block's memory read, or None)."""
+  def __call__(self, h, positions, mask, valid, segments, bank, paths=None):
+    """-> (h, router stats of the block's memory read, or None). `paths`: the cluster paths cluster routing reads."""
     stats = None
     if self.memory_first:
       out, stats = self.memory(h, bank, positions, mask)
@@ -60,7 +60,7 @@ class Block(nnx.Module):
 
     def read_memory(x):
       nonlocal stats
-      out, stats = self.memory(x, route_input, bank, valid, segments)
+      out, stats = self.memory(x, route_input, bank, valid, segments, paths)
       return out
 
     h = self._after_attention(h + self.attn(self.attn_norm(h), positions, mask), read_memory)
@@ -103,11 +103,11 @@ class Group(nnx.Module):
     self.blocks = nnx.List([Block(cfg, j in memory_offsets, rngs) for j in range(period)])
     self.remat = cfg.model.remat
 
-  def __call__(self, h, positions, mask, valid, segments, banks, bank_of):
+  def __call__(self, h, positions, mask, valid, segments, banks, bank_of, paths=None):
     """-> (h, router stats of the memory blocks)."""
     stats = []
     for block, bank in zip(self.blocks, self._banks(banks, bank_of)):
-      h, s = self._run(block, h, positions, mask, valid, segments, bank)
+      h, s = self._run(block, h, positions, mask, valid, segments, bank, paths)
       if s is not None:
         stats.append(s)
     return h, stats
@@ -129,14 +129,14 @@ class Group(nnx.Module):
       mem_i += block.memory is not None
     return out
 
-  def _run(self, block, h, positions, mask, valid, segments, bank):
+  def _run(self, block, h, positions, mask, valid, segments, bank, paths):
     if self.remat == "none":
-      return block(h, positions, mask, valid, segments, bank)
+      return block(h, positions, mask, valid, segments, bank, paths)
     # functional remat: the block is read-only here, and unlike nnx.remat this also works on a module
     # merged outside an enclosing jax loop (e.g. greedy decoding in a fori_loop)
     graphdef, state = nnx.split(block)
     fn = jax.checkpoint(lambda st, *a: nnx.merge(graphdef, st)(*a), policy=_REMAT_POLICIES[self.remat])
-    return fn(state, h, positions, mask, valid, segments, bank)
+    return fn(state, h, positions, mask, valid, segments, bank, paths)
 
 
 def _first(h_stats):
@@ -181,23 +181,25 @@ class Transformer(nnx.Module):
       self.layers = Group(cfg, p.period, p.memory_offsets, rngs)
     self.final_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
 
-  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False,
-               bank_deltas=None):
+  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, cluster_path=None,
+               train=False, bank_deltas=None):
     """`segment_ids` (packed rows: 0 = padding, documents 1..n) restrict attention to one document;
     `positions` restart RoPE per document. `sequence` routing pools over the row (MoC-PT); `segment`, `prefix`
-    and `chunk` pool within each document (`memory.routing`). `bank_deltas` [n_mem, K, ...] (zeros; a bank row's
-    shape after K): memory layer i reads its bank through `BankRows` with delta i, and aux gains `rows` [n_mem, K],
-    the bank rows (chapters, or value slots) whose gradient d loss / d bank_deltas holds."""
-    h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions, train=train,
-                           bank_deltas=bank_deltas)
+    and `chunk` pool within each document (`memory.routing`); `cluster` reads by `cluster_path` [B, L, levels], each
+    position's document's path down the cluster tree (the batch's, data/cluster_paths.py). `bank_deltas`
+    [n_mem, K, ...] (zeros; a bank row's shape after K): memory layer i reads its bank through `BankRows` with delta
+    i, and aux gains `rows` [n_mem, K], the bank rows (chapters, or value slots) whose gradient d loss /
+    d bank_deltas holds."""
+    h, aux = self.features(input_ids, attention_mask, segment_ids=segment_ids, positions=positions,
+                           cluster_path=cluster_path, train=train, bank_deltas=bank_deltas)
     return self.logits(h), aux
 
   def logits(self, h):
     """[B, L, V] float32 logits of final features (the tied head)."""
     return constrain(self.embed.attend(h), "batch", None, "vocab")
 
-  def features(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, train=False,
-               bank_deltas=None):
+  def features(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None, cluster_path=None,
+               train=False, bank_deltas=None):
     """(final-normed features [B, L, d], aux): the model up to the head, for losses that never hold
     all logits at once."""
     del train  # sequence routing and dropout-free blocks behave the same; the loss decides on aux
@@ -210,7 +212,7 @@ class Transformer(nnx.Module):
       mask = mask & attention_mask.astype(bool)[:, None, None, :]
     if segment_ids is not None:
       mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-    h, stats = self._trunk(input_ids, positions, mask, valid, segment_ids, bank_deltas)
+    h, stats = self._trunk(input_ids, positions, mask, valid, segment_ids, bank_deltas, cluster_path)
     return self.final_norm(h), self._aux(stats)
 
   def forward_cached(self, cache, input_ids, positions, mask, valid, index):
@@ -229,20 +231,20 @@ class Transformer(nnx.Module):
     h = constrain(self.embed(input_ids), "batch", None, None)
     return h, (self.bank.read() if self.bank is not None else None)
 
-  def _trunk(self, input_ids, positions, mask, valid, segments, bank_deltas=None):
+  def _trunk(self, input_ids, positions, mask, valid, segments, bank_deltas=None, paths=None):
     """Embedding and layers -> (h, router stats stacked over the memory layers, or None)."""
     h, banks = self._embed(input_ids)
     if self.plan.scanned:
       if bank_deltas is None:
         return self._scan(h, banks, lambda group, h, bank, _: _first(
-            group(h, positions, mask, valid, segments, bank, (0,))))
+            group(h, positions, mask, valid, segments, bank, (0,), paths)))
       return self._scan(h, banks, lambda group, h, bank, delta: _first(
-          group(h, positions, mask, valid, segments, [BankRows(bank[0], delta)], (0,))), bank_deltas)
+          group(h, positions, mask, valid, segments, [BankRows(bank[0], delta)], (0,), paths)), bank_deltas)
     if bank_deltas is None:
-      h, stats = self.layers(h, positions, mask, valid, segments, banks, self.bank_ids)
+      h, stats = self.layers(h, positions, mask, valid, segments, banks, self.bank_ids, paths)
     else:  # memory layer i reads its bank through delta i
       rows = [BankRows(banks[b], delta) for b, delta in zip(self.bank_ids, bank_deltas)]
-      h, stats = self.layers(h, positions, mask, valid, segments, rows, tuple(range(len(rows))))
+      h, stats = self.layers(h, positions, mask, valid, segments, rows, tuple(range(len(rows))), paths)
     return h, (_stack(stats) if stats else None)
 
   def _scan(self, h, banks, run, per_group=None):

@@ -102,12 +102,14 @@ class MetricsWriter:
 
 def _plot_router_health(ax, rows, layers):
   """Per memory layer: the share of routable chapters read in each log window, and the router probability
-  on the shared chapters (both near 1 and near 0 respectively when the bank is used)."""
+  on the shared chapters (both near 1 and near 0 respectively when the bank is used; cluster routing has no router,
+  so no probability)."""
   steps = [r["step"] for r in rows]
   for layer in layers:
     line, = ax.plot(steps, [r[f"router_used_frac_{layer}"] for r in rows], label=f"chapters read, {layer}")
-    ax.plot(steps, [r[f"router_shared_mass_{layer}"] for r in rows], "--", c=line.get_color(),
-            label=f"shared-chapter mass, {layer}")
+    if f"router_shared_mass_{layer}" in rows[0]:
+      ax.plot(steps, [r[f"router_shared_mass_{layer}"] for r in rows], "--", c=line.get_color(),
+              label=f"shared-chapter mass, {layer}")
   ax.set_xlabel("step"), ax.set_ylabel("fraction"), ax.set_ylim(0, 1.02), ax.set_title("router health")
   ax.legend(fontsize=7), ax.grid(alpha=0.3)
 

@@ -122,13 +122,14 @@ def make_train_step(graphdef, tx, config, idf=None):
 
   def step_stats(aux, batch):
     stats = {"aux": aux["router_loss"]}
-    if "entropy" in aux:
-      stats["router_entropy"] = jnp.mean(aux["entropy"])
+    if "load" in aux:  # chapter reads: a router's choice, or cluster routing's paths
       stats["router_load"] = aux["load"] * accum  # summed over the update's micro-batches below
-      stats.update({f"router_{k}": aux[k] for k in STEP_STATS if k in aux})
       if bank.smf:
         read = read_weight(aux["chapters"], aux["weights"], mem.num_chapters, _decision_mask(aux["chapters"], batch))
         stats["router_read"] = read * accum
+    if "entropy" in aux:
+      stats["router_entropy"] = jnp.mean(aux["entropy"])
+      stats.update({f"router_{k}": aux[k] for k in STEP_STATS if k in aux})
     return stats
 
   def loss_fn(params, batch):
