@@ -95,6 +95,10 @@ def _gib(n) -> str:
   return f"{n / tpu_topology.GIB:.2f} GiB"
 
 
+def _rows(n) -> str:
+  return f"{n} row{'s' if n != 1 else ''}"
+
+
 def _needs(step) -> str:
   if step["fits"]:
     return f"{_gib(step['xla']['temp'])} of temporaries and {_gib(step['xla']['argument'])} of arguments"
@@ -104,18 +108,18 @@ def _needs(step) -> str:
 def verdict(r) -> str:
   """One line: whether the train step fits and, if not, the largest micro-batch that does; then the eval step."""
   where = f"on {r['topology']} ({r['devices']} x {r['chip']}, {_gib(r['hbm_bytes'])} of HBM per device)"
-  train = f"the train step at {r['rows_per_device']} rows of {r['seq_len']} per device per micro-batch"
+  train = f"the train step at {_rows(r['rows_per_device'])} of {r['seq_len']} per device per micro-batch"
   if r["fits"]:
     line = f"fits {where}: {train} needs {_needs(r)}"
   else:
     line = f"does not fit {where}: {train} needs {_needs(r)}; "
     best = r["largest_fitting"]
     line += ("not even 1 row per device fits" if best is None else
-             f"the largest micro-batch that fits is {best['rows_per_device']} rows per device "
+             f"the largest micro-batch that fits is {_rows(best['rows_per_device'])} per device "
              f"(--config.train.batch_size={best['batch_size']} --config.train.grad_accum={best['grad_accum']}, "
              f"{_gib(best['xla']['temp'])} of temporaries)")
   e = r["eval"]
-  return line + (f"; the evaluation step at {e['rows_per_device']} rows per device "
+  return line + (f"; the evaluation step at {_rows(e['rows_per_device'])} per device "
                  f"{'fits' if e['fits'] else 'does not fit'}: it needs {_needs(e)}")
 
 
