@@ -154,8 +154,9 @@ class MemoryLayer(nnx.Module):
     self.token_norm_eps = mem.token_norm_eps
     self.sharded_read = mem.sharded_read
     self.router = Router(cfg, rngs) if mem.routing != "cluster" else None
-    self.cluster = (cfg.data.cluster.k, tuple(mem.cluster_chapters)) if mem.routing == "cluster" else None
-    self.num_chapters = mem.num_chapters
+    # cluster routing's (tree branching, chapters per node of each level, chapters); None for a router
+    self.cluster = ((cfg.data.cluster.k, tuple(mem.cluster_chapters), mem.num_chapters) if mem.routing == "cluster"
+                    else None)
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
@@ -260,12 +261,13 @@ class MemoryLayer(nnx.Module):
     if paths is None:
       raise ValueError("memory.routing=cluster reads the chapters of each document's cluster path: pass cluster_path "
                        "[B, L, levels] (the batch's, with data.cluster.k > 0)")
-    chapters = cluster_chapters(paths, self.num_shared, *self.cluster)
+    k, per_level, num_chapters = self.cluster
+    chapters = cluster_chapters(paths, self.num_shared, k, per_level)
     routed = chapters.shape[-1] - self.num_shared
     weights = mix_weights(jnp.full(chapters.shape[:-1] + (routed,), 1.0 / routed), self.num_shared, self.scaling)
     routed_ids = chapters[..., self.num_shared:]
     real = jnp.ones(routed_ids.shape[:-1]) if valid is None else valid.astype(jnp.float32)
-    load = jnp.zeros((self.num_chapters,), jnp.float32).at[routed_ids].add(
+    load = jnp.zeros((num_chapters,), jnp.float32).at[routed_ids].add(
         jnp.broadcast_to(real[..., None], routed_ids.shape))
     return self.read_positions(h, chapters, weights, bank, "cluster", {"load": load})
 
