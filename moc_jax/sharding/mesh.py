@@ -69,11 +69,19 @@ def shards(config, logical: str, sizes: dict | None = None) -> int:
 
 
 def make_mesh(config, devices=None) -> jax.sharding.Mesh:
-  """The mesh for `config` over `devices` (default: all), every axis Auto (GSPMD propagation)."""
+  """The mesh for `config` over `devices` (default: all), every axis Auto (GSPMD propagation). On a TPU slice
+  JAX lays each mesh axis along whole axes of the physical torus; a size that is no product of them (8 on a
+  4x4x4 v5p slice) is a ConfigError naming the sizes that are."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(config, len(devices))
-  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  try:
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  except NotImplementedError as e:  # jax's mesh_utils: no assignment of the axes to the physical torus
+    why = str(e).split(". ")[0]  # names the axis and the physical axes left
+    raise ConfigError(f"config.mesh: {_fmt(sizes)} does not lay out on the torus of the {len(devices)} "
+                      f"{devices[0].device_kind} devices ({why}) — make each axis size a product of some of the "
+                      "slice's physical axis sizes") from None
 
 
 @contextlib.contextmanager

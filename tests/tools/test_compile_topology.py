@@ -79,6 +79,16 @@ def test_an_unknown_topology_is_one_line_naming_the_chips(libtpu):
   assert line.startswith("error: --topology=v9z:2x2: ") and "v5e, v5p" in line
 
 
+def test_a_mesh_that_does_not_lay_out_on_the_torus_is_one_line(libtpu):
+  """A v5p slice is a 4x4x4 torus: a mesh axis of 8 takes no whole set of its axes."""
+  code, out, err = command("--config=configs/moc.py:tiny", "--topology=v5p:4x4x4", "--config.mesh.data=8",
+                           "--config.mesh.memory=8", "--config.train.batch_size=64")
+  assert code == 2 and out == []
+  (line,) = err.strip().splitlines()
+  assert line.startswith("error: config.mesh: data=8 x memory=8 x fsdp=1 x tensor=1 does not lay out on the torus "
+                         "of the 64 TPU v5 devices (") and "remaining assignable mesh [4, 4, 4]" in line
+
+
 def test_without_libtpu_the_flag_is_refused_in_one_line():
   """As if libtpu were not installed (the command's own check, patched): exit 2 and how to install it."""
   patched = ("import runpy, sys; from moc_jax import tpu_topology; tpu_topology.installed = lambda: False; "
