@@ -29,11 +29,13 @@ With --topology also:
                                    (its error's figure: arguments, outputs and temporaries) replaces xla,
                                    largest_all_gather, flops_per_device and kernels
   kernels                          Mosaic kernels (Pallas on TPU) in the compiled step: {name: calls}
+  hbm_margin_bytes                 hbm_bytes less memory_analysis' count (arguments + outputs - aliases +
+                                   temporaries); the compiler has accepted steps for which it is negative
   eval                             the evaluation step (a forward over an update's rows, as the training loop
                                    evaluates): rows_per_device, compile_seconds, fits, and the fields above
   largest_fitting                  when the train step does not fit: the largest micro-batch that does (rows per
-                                   device, batch_size, grad_accum at the same update size, its xla and
-                                   kernels), or null; searched: {rows per device: fits} of every count compiled
+                                   device, batch_size, grad_accum at the same update size, its xla, margin
+                                   and kernels), or null; searched: {rows per device: fits} of every count compiled
 and a last line, the verdict.
 """
 from __future__ import annotations

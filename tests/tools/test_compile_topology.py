@@ -47,11 +47,11 @@ def test_a_micro_batch_too_large_is_one_line_naming_the_largest_that_fits(libtpu
   assert report["searched"] == {"2": True, "2003": False}
   assert (best["rows_per_device"], best["batch_size"], best["grad_accum"]) == (2, 8, 2003)
   assert best["kernels"] == {"routed_chapter_attention_bwd": 1, "routed_chapter_attention_fwd": 1}
-  assert 0 < best["xla"]["temp"] < report["hbm_bytes"]
+  assert 0 < best["xla"]["temp"] < report["hbm_bytes"] and best["hbm_margin_bytes"] > 0
   assert verdict.startswith("does not fit on v5e:2x2 (4 x TPU v5 lite, 15.75 GiB of HBM per device): the train step "
                             "at 4006 rows of 128 per device per micro-batch needs ")
   assert "the largest micro-batch that fits is 2 rows per device (--config.train.batch_size=8 " \
-         "--config.train.grad_accum=2003, " in verdict
+         "--config.train.grad_accum=2003: " in verdict
   assert "the evaluation step at 4006 rows per device does not fit" in verdict
 
 
@@ -66,6 +66,7 @@ def test_a_step_that_fits_reports_its_memory_and_kernels(libtpu):
   assert report["bank"]["shard_shape"] == [1, 33, 16, 64]
   assert report["kernels"]["routed_chapter_attention_bwd"] == 1 and report["kernels"]["routed_chapter_attention_fwd"]
   assert 0 < report["xla"]["temp"] < report["hbm_bytes"] and report["flops_per_device"] > 0
+  assert report["hbm_margin_bytes"] > 0
   assert report["eval"]["fits"] and report["eval"]["kernels"] == {"routed_chapter_attention_fwd": 1}
   assert "largest_fitting" not in report
   assert verdict.startswith("fits on v5e:2x2 (4 x TPU v5 lite, 15.75 GiB of HBM per device): the train step at 4 "
@@ -111,11 +112,11 @@ def test_the_search_bisects_over_the_rows_that_divide_a_devices_share():
     assert c.train.batch_size * c.train.grad_accum == 144
     if rows > 6:
       return {"fits": False}
-    return {"fits": True, "compile_seconds": 1.0, "xla": {"temp": rows}, "kernels": {}}
+    return {"fits": True, "compile_seconds": 1.0, "xla": {"temp": rows}, "hbm_margin_bytes": 10 - rows, "kernels": {}}
 
   search = tpu_report.largest_fitting(config, 4, compile_train)
   assert search["answer"] == {"rows_per_device": 6, "batch_size": 24, "grad_accum": 6, "compile_seconds": 1.0,
-                              "xla": {"temp": 6}, "kernels": {}}
+                              "xla": {"temp": 6}, "hbm_margin_bytes": 4, "kernels": {}}
   assert compiled == [4, 9, 6] and search["searched"] == {4: True, 9: False, 6: True}
   assert tpu_report.largest_fitting(config, 4, lambda c: {"fits": False})["answer"] is None
 
