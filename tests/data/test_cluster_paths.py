@@ -7,32 +7,17 @@ import os
 import numpy as np
 import pytest
 
-from moc_jax.config import data_config
 from moc_jax.data import make_eval_batches, make_train_iterator
 from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, index_path
 from moc_jax.data.cluster_tree import Embedder
-from moc_jax.data.facts import facts_builder
-from moc_jax.data.tokenizers import get_tokenizer
 from moc_jax.errors import DataError
-
-BYTE = get_tokenizer("byte")
-FACTS = {"num_entities": 40, "num_docs": 300, "num_val_docs": 30}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  root = str(tmp_path_factory.mktemp("data"))
-  c = data_config()
-  c.facts.update(FACTS)
-  facts_builder(c.facts, root)
-  return root
+from tests.data.test_pipeline import BYTE
+from tests.data.test_pipeline import _config as pipeline_config
 
 
 def _config(data_dir, **overrides):
   """256-token rows: every moc_facts document fits one whole, so a row's documents can be read back."""
-  c = data_config()
-  c.facts.update(FACTS)
-  c.data_dir, c.seq_len, c.batch_size = data_dir, 256, 4
+  c = pipeline_config(data_dir, seq_len=256)
   c.cluster.update(k=4, levels=2)
   c.update(overrides)
   return c

@@ -6,23 +6,14 @@ import pytest
 
 from moc_jax.config import data_config
 from moc_jax.data import make_eval_batches, make_train_iterator
-from moc_jax.errors import DataError
 from moc_jax.data.facts import facts_builder
 from moc_jax.data.prepare import prepare
 from moc_jax.data.sources import MANIFEST, text_example
 from moc_jax.data.tokenizers import get_tokenizer
+from moc_jax.errors import DataError
 
 BYTE = get_tokenizer("byte")
-FACTS = {"num_entities": 40, "num_docs": 300, "num_val_docs": 30}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  root = str(tmp_path_factory.mktemp("data"))
-  c = data_config()
-  c.facts.update(FACTS)
-  facts_builder(c.facts, root)
-  return root
+from tests.data.conftest import FACTS
 
 
 def _config(data_dir, **overrides):
