@@ -7,16 +7,16 @@ layers as memory.sharing says.
 
 Where the memory placement is periodic (the paper: every 4th layer from 2) the layers are built as
 `num_groups` stacked copies of one `period`-layer group and run under `lax.scan`, so compile time
-stays flat with depth; otherwise one group holds all layers, unrolled. Vanilla models are the same
+stays flat with depth (on a CPU the scan is unrolled: see `_scan`); otherwise one group holds all layers, unrolled. Vanilla models are the same
 code with no memory layer.
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.routed_chapter_attention.contract import target_platform
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.hml import HMLBlock
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
@@ -258,7 +258,11 @@ class Transformer(nnx.Module):
       h, out = run(nnx.merge(graphdef, group_state), h, bank[None] if per_group_bank else banks, extra)
       return constrain(h, "batch", None, None), out
 
-    return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group))
+    # A CPU runs the unrolled loop: XLA's CPU while loop slices each group's parameters out of the stack and
+    # writes each group's residuals into stacked buffers it first zero-fills, about a tenth of the `small`
+    # train step. Compile time, the reason to scan on an accelerator, does not grow at the depths a CPU trains.
+    unroll = target_platform() == "cpu"
+    return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group), unroll=unroll)
 
   def shift_balance_bias(self, step):
     """Adds `step` [n_mem, C] (routing.balance_bias_step) to the memory layers' aux-free balance biases, in
