@@ -82,32 +82,33 @@ def dot_flops(name: str, ops: dict, computations: dict, depth: int = 0) -> float
 
 
 def op_times(trace_dir: str, steps: int) -> collections.Counter:
-  """Seconds per step of each HLO op in the trace under `trace_dir`, summed over the executor threads. An op's
-  time is its own: a while loop's or a call's events enclose those of the ops they run, which count for
-  themselves."""
+  """Seconds per step of each HLO op in the trace under `trace_dir`, summed over the executor threads."""
   path = next(Path(trace_dir).rglob("*.xplane.pb"))
   data = jax.profiler.ProfileData.from_file(str(path))
   seconds = collections.Counter()
   for plane in data.planes:
     for line in plane.lines:
-      if not line.name.startswith("tf_XLA"):
-        continue
-      events = sorted((e.start_ns, -e.end_ns, e.name) for e in line.events if not e.name.startswith(_RUNTIME))
-      open_events = []  # [name, end, time of its enclosed events]
-      for start, neg_end, name in events:
-        while open_events and open_events[-1][1] <= start:
-          _close(open_events, seconds, steps)
-        if open_events:
-          open_events[-1][2] += -neg_end - start
-        open_events.append([name, -neg_end, 0, start])
-      while open_events:
-        _close(open_events, seconds, steps)
+      if line.name.startswith("tf_XLA"):
+        events = [(e.start_ns, e.end_ns, e.name) for e in line.events if not e.name.startswith(_RUNTIME)]
+        for name, ns in self_times(events).items():
+          seconds[name] += ns * 1e-9 / steps
   return seconds
 
 
-def _close(open_events, seconds, steps):
-  name, end, enclosed, start = open_events.pop()
-  seconds[name] += (end - start - enclosed) * 1e-9 / steps
+def self_times(events) -> collections.Counter:
+  """(start, end, name) events of one thread -> each name's own time: a while loop's or a call's event encloses
+  the events of the ops it runs, whose time counts for them, not for it."""
+  own, stack = collections.Counter(), []  # stack: [name, start, end, enclosed time]
+  for start, end, name in sorted(events, key=lambda e: (e[0], -e[1])):
+    while stack and stack[-1][2] <= start:
+      done = stack.pop()
+      own[done[0]] += done[2] - done[1] - done[3]
+    if stack:
+      stack[-1][3] += end - start
+    stack.append([name, start, end, 0])
+  for name, start, end, enclosed in stack:
+    own[name] += end - start - enclosed
+  return own
 
 
 def category(opcode: str, flops: float, name: str) -> str:
@@ -150,7 +151,7 @@ def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3,
           "model_flops_per_step": trainer.flops_per_step, "matmul_flops_per_step": matmul_flops,
           "matmul_s_at_peak": matmul_flops / peak if peak else None,
           "categories": {k: {"s": v, "share": v / total} for k, v in by_category.most_common()},
-          "top": rows[:top]}
+          "top": rows[:top], "goal": "(none: a profile)", "pass": None}
 
 
 def markdown(result: dict) -> str:

@@ -4,7 +4,8 @@ The forward is the training loss (logits, cross-entropy and router aux terms, wh
 counts too), lowered from ShapeDtypeStructs, so even the 262k model allocates nothing; XLA's
 `cost_analysis()["flops"]` of the compiled program is compared with `flops.estimate(...)["forward"]`.
 Layers are unrolled (model.scan_layers=False): XLA's cost analysis counts a while-loop body once, not
-once per trip, so the scanned program's count is reported too, to show it undercounts. Each component
+once per trip. The scanned program's count is reported too: compiled for an accelerator it undercounts; on a
+CPU the model unrolls its layer scan (model/transformer.py), so there the two counts agree. Each component
 (self-attention, MLP, memory sublayer, head) is also compiled and compared on its own, to locate the
 difference. XLA counts a dot as exactly 2·M·N·K, like the estimator, so `xla_minus_analytic_matmul`
 is XLA's element-wise count, to set against `analytic_elementwise`; XLA also counts every f32<->bf16
