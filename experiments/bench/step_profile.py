@@ -3,9 +3,9 @@
 The step is the benchmarks' `common.Trainer` (the loop's jitted step on one device, a fixed synthetic batch). After
 `--warmup` steps, `--steps` steps run under `jax.profiler`; the trace's executor events are summed per HLO op of the
 compiled step and divided by the steps. Each op is matched to its line of the optimised HLO (`compiled.as_text()`):
-a dot, or a fusion whose computation holds a dot, is a matmul and gets its FLOPs (2 x output elements x contracted
-size) and the time it would take at the device's matmul peak, measured in this process as `train_mfu` does. Every
-other op is memory traffic (copies, transposes, elementwise fusions, reductions) and has no FLOPs to be measured by.
+a dot, or a fusion whose computation holds a dot, is a matmul and gets its FLOPs per step (2 x output elements x
+contracted size, times its calls per step: a loop body's op runs once per trip) and the time they would take at the
+device's matmul peak, measured in this process as `train_mfu` does. Every other op is memory traffic (copies, transposes, elementwise fusions, reductions) and has no FLOPs to be measured by.
 
 Read the table for the gap between `ms` and `ms at peak` (a matmul run badly) and for big non-matmul ops (work
 a different formulation or layout avoids). Times are a traced run's: a few percent above an untraced step.
@@ -81,18 +81,21 @@ def dot_flops(name: str, ops: dict, computations: dict, depth: int = 0) -> float
   return total
 
 
-def op_times(trace_dir: str, steps: int) -> collections.Counter:
-  """Seconds per step of each HLO op in the trace under `trace_dir`, summed over the executor threads."""
+def op_times(trace_dir: str, steps: int) -> tuple[collections.Counter, collections.Counter]:
+  """(seconds, calls) per step of each HLO op in the trace under `trace_dir`, summed over the executor threads
+  (an op in a loop body runs once per trip)."""
   path = next(Path(trace_dir).rglob("*.xplane.pb"))
   data = jax.profiler.ProfileData.from_file(str(path))
-  seconds = collections.Counter()
+  seconds, calls = collections.Counter(), collections.Counter()
   for plane in data.planes:
     for line in plane.lines:
       if line.name.startswith("tf_XLA"):
         events = [(e.start_ns, e.end_ns, e.name) for e in line.events if not e.name.startswith(_RUNTIME)]
         for name, ns in self_times(events).items():
           seconds[name] += ns * 1e-9 / steps
-  return seconds
+        for _, _, name in events:
+          calls[name] += 1 / steps
+  return seconds, calls
 
 
 def self_times(events) -> collections.Counter:
@@ -131,19 +134,19 @@ def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3,
     jax.profiler.start_trace(trace_dir)
     traced = common.summary(trainer.run(steps))
     jax.profiler.stop_trace()
-    seconds = op_times(trace_dir, steps)
+    seconds, calls = op_times(trace_dir, steps)
   ops, computations = parse_hlo(trainer._step.as_text())
   rows, by_category = [], collections.Counter()
   for name, s in seconds.most_common():
     shape, opcode, rest, _ = ops.get(name, ("?", "?", "", None))
-    f = dot_flops(name, ops, computations) if name in ops else 0.0
+    f = dot_flops(name, ops, computations) * calls[name] if name in ops else 0.0
     cat = category(opcode, f, name)
     by_category[cat] += s
     source = re.search(r'op_name="([^"]*)"', rest)
-    rows.append({"op": name, "category": cat, "shape": shape, "ms": 1e3 * s, "gflop": f / 1e9,
+    rows.append({"op": name, "category": cat, "shape": shape, "ms": 1e3 * s, "calls": calls[name], "gflop": f / 1e9,
                  "gflops_per_s": f / s / 1e9 if f and s else None, "ms_at_peak": 1e3 * f / peak if peak and f else None,
                  "source": source.group(1).split("/")[-1] if source else ""})
-  matmul_flops = sum(dot_flops(n, ops, computations) for n in seconds if n in ops)
+  matmul_flops = sum(r["gflop"] for r in rows) * 1e9
   total = sum(by_category.values())
   return {"name": "step_profile", "config": config, "overrides": overrides or {},
           "batch": [cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len], "compute_dtype": cfg.model.compute_dtype,
