@@ -150,7 +150,7 @@ def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3,
   total = sum(by_category.values())
   return {"name": "step_profile", "config": config, "overrides": overrides or {},
           "batch": [cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len], "compute_dtype": cfg.model.compute_dtype,
-          "step": untraced, "traced_step": traced, "op_seconds_per_step": total, "peak_flops_per_s": peak,
+          "compile_s": trainer.compile_s, "step": untraced, "traced_step": traced, "op_seconds_per_step": total, "peak_flops_per_s": peak,
           "model_flops_per_step": trainer.flops_per_step, "matmul_flops_per_step": matmul_flops,
           "matmul_s_at_peak": matmul_flops / peak if peak else None,
           "categories": {k: {"s": v, "share": v / total} for k, v in by_category.most_common()},

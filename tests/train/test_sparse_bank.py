@@ -42,7 +42,9 @@ def packed(config, seed):
 def test_rows_gradient_equals_the_dense_bank_gradient(routing, sharing):
   """Bank gradient via zero deltas on the rows each memory layer reads, scattered back, vs jax.grad of the
   bank (W_o not zero, so the bank has a gradient); shared sharing runs the layers under scan, per_layer (two
-  banks) unrolled."""
+  banks) unrolled. The two are different float32 programs summing the same terms in their own orders: an element
+  may differ by the rounding of a sum whose terms reach the largest gradient, a few float32 epsilons of it (a
+  wrong row, scale or missing read differs by the gradients themselves)."""
   config = moc_jax.load_config("configs/moc.py:tiny", {**SMALL, "memory.routing": routing, "memory.sharing": sharing,
                                                       "memory.routing_chunk": 8, "memory.wo_init_zero": False})
   graphdef, params = nnx.split(moc_jax.build_model(config), nnx.Param)
@@ -71,7 +73,7 @@ def test_rows_gradient_equals_the_dense_bank_gradient(routing, sharing):
   want = np.asarray(grads["bank"]["memory"][...])
   assert np.any(want != 0)
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
-  np.testing.assert_allclose(scattered, want, rtol=1e-5, atol=1e-9 * np.abs(want).max())
+  np.testing.assert_allclose(scattered, want, rtol=1e-5, atol=4 * np.finfo(np.float32).eps * np.abs(want).max())
 
 
 def test_rows_per_bank_sums_duplicates_like_a_scatter_add():
