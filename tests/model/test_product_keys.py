@@ -105,3 +105,31 @@ def test_lookup_equals_numpy_over_every_slot(norm):
   np.testing.assert_array_equal(np.asarray(ids), want_ids)
   np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-5, atol=1e-6)
   assert keys.keys[...].shape == (heads, 2, n, dim // 2)
+
+
+def test_lookup_gradient_equals_numpy_through_the_chosen_sub_keys():
+  """d(sum(weights * c)) / d(q, keys) in float64 numpy: only the chosen slots' two sub-keys per query and head carry
+  a gradient (the search itself is not differentiated, its choice is)."""
+  heads, n, dim, k = 3, 16, 8, 5
+  keys = ProductKeys(heads, n, dim, k, "none", 1e-5, "float32", nnx.Rngs(params=0))
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(2, 7, heads, dim)).astype(np.float32)
+  c = rng.normal(size=(2, 7, heads, k))
+  table = np.asarray(keys.keys[...], np.float64)
+
+  def loss(table, q):  # the lookup with the sub-key table as an argument (on no mesh, keys(q) is this)
+    return jnp.sum(keys._lookup(q, table)[1] * c)
+
+  g_table, g_q = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(table, jnp.float32), jnp.asarray(q))
+  ids, w = np_lookup(q, table, k, "none", 1e-5)
+  d_top = w * (c - np.sum(w * c, -1, keepdims=True))  # softmax backward, [2, 7, heads, k]
+  halves = q.reshape(q.shape[:-1] + (2, -1)).astype(np.float64)
+  want_table, want_q = np.zeros_like(table), np.zeros_like(halves)
+  for idx in np.ndindex(*ids.shape[:-1]):
+    h = idx[-1]
+    for j, slot in enumerate(ids[idx]):
+      for part, sub in enumerate((slot // n, slot % n)):
+        want_table[h, part, sub] += d_top[idx][j] * halves[idx][part]
+        want_q[idx][part] += d_top[idx][j] * table[h, part, sub]
+  np.testing.assert_allclose(np.asarray(g_table), want_table, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(g_q), want_q.reshape(q.shape), rtol=1e-4, atol=1e-6)
