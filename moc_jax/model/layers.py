@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels_pallas.routed_chapter_attention.contract import target_platform
+
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform (not NaN) softmax
 
 
@@ -80,17 +82,43 @@ def rope(x, positions, theta):
   return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def cpu_layouts() -> bool:
+  """Whether the code being traced runs on a CPU, whose XLA backend wants other layouts than an accelerator's
+  compiler (`attention` here, the unrolled layer scan in model/transformer.py). The platform is the active mesh's
+  devices' (`kernels_pallas` contract): `compile_report --topology` traces for a TPU on a CPU host."""
+  return target_platform() == "cpu"
+
+
 def attention(q, k, v, mask=None):
-  """Softmax attention with GQA: q [B,Lq,H,D], k/v [B,Lk,Hkv,D], mask broadcastable to [B,1,Lq,Lk].
+  """Softmax attention with GQA: q [B,Lq,H,D], k/v [B,Lk,Hkv,D], mask broadcastable to [B,1,Lq,Lk] -> [B,Lq,H*D].
 
   Query head h reads kv head h // (H/Hkv) (MoC-PT's repeat_interleave grouping). Scores and softmax
-  are float32; the value product runs in v's dtype. The heads move in front first ([B, Hkv, G*Lq, D]
-  against [B, Hkv, Lk, D]): every product, forward and backward, is then a plain batched matmul over the
-  heads, the G query heads of a kv head stacked into one, which XLA runs without transposing the
-  [.., Lq, Lk] probabilities (on a CPU, 20-30% less time than contracting the token-major layout). The
-  softmax's division comes after the value product, on [.., Lq, D] rather than [.., Lq, Lk] (another
-  20-30% of the attention's time on a CPU; the same values up to float rounding).
+  are float32; the value product runs in v's dtype. Two formulations of the same values, by platform: on a CPU
+  `attention_heads_major` (half the attention's time there), elsewhere `attention_token_major`, with which the TPU
+  compiler holds the 262k model's evaluation step on v5e in 13.4 GiB a device where the other needs 19.5
+  (docs/results/2026-11-27-cpu-step-speed.md).
   """
+  return (attention_heads_major if cpu_layouts() else attention_token_major)(q, k, v, mask)
+
+
+def attention_token_major(q, k, v, mask=None):
+  """`attention` contracting the token-major layout: scores [B, Hkv, G, Lq, Lk], softmax, then the value product."""
+  b, lq, h, d = q.shape
+  hkv = k.shape[2]
+  q = q.reshape(b, lq, hkv, h // hkv, d)
+  scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
+  if mask is not None:
+    scores = jnp.where(mask[:, :, None], scores, NEG_INF)  # mask [B,1,Lq,Lk] -> [B,1,1,Lq,Lk]
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, lq, h * d)
+
+
+def attention_heads_major(q, k, v, mask=None):
+  """`attention` with the heads moved in front first ([B, Hkv, G*Lq, D] against [B, Hkv, Lk, D]): every product,
+  forward and backward, is a plain batched matmul over the heads, the G query heads of a kv head stacked into one,
+  which XLA's CPU backend runs without transposing the [.., Lq, Lk] weights; and the softmax's division comes after
+  the value product, on [.., Lq, D] rather than [.., Lq, Lk]. Together they halve the attention's time on a CPU."""
   b, lq, h, d = q.shape
   lk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
@@ -100,7 +128,6 @@ def attention(q, k, v, mask=None):
   if mask is not None:  # [B|1, 1, Lq, Lk] -> [B|1, 1, G*Lq, Lk], the G query heads' rows stacked
     mask = jnp.broadcast_to(mask[:, :, None], (mask.shape[0], 1, g, lq, lk)).reshape(mask.shape[0], 1, g * lq, lk)
     scores = jnp.where(mask, scores, NEG_INF)
-  # softmax normalised after the value product: the division runs over [.., Lq, D], not [.., Lq, Lk]
   weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
   out = jnp.einsum("bkqs,bksd->bkqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
   out = out / jnp.sum(weights, axis=-1, keepdims=True)

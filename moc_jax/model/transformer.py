@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels_pallas.routed_chapter_attention.contract import target_platform
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.hml import HMLBlock
-from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU
+from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU, cpu_layouts
 from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
 from moc_jax.model.pkm import PKMLayer
 from moc_jax.model.value_table import ValueTable
@@ -261,8 +260,7 @@ class Transformer(nnx.Module):
     # A CPU runs the unrolled loop: XLA's CPU while loop slices each group's parameters out of the stack and
     # writes each group's residuals into stacked buffers it first zero-fills, about a tenth of the `small`
     # train step. Compile time, the reason to scan on an accelerator, does not grow at the depths a CPU trains.
-    unroll = target_platform() == "cpu"
-    return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group), unroll=unroll)
+    return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group), unroll=cpu_layouts())
 
   def shift_balance_bias(self, step):
     """Adds `step` [n_mem, C] (routing.balance_bias_step) to the memory layers' aux-free balance biases, in

@@ -11,7 +11,6 @@ from moc_jax.model import layers
 F32 = {"model.compute_dtype": "float32"}
 
 rope = jax.jit(layers.rope, static_argnums=(2,))
-attention = jax.jit(layers.attention)
 
 
 def _rope64(x, pos, theta):
@@ -68,8 +67,13 @@ def _masks(rng, b, lq, lk):
   return causal[None, None] & pad[:, None, None, :]
 
 
+FORMULATIONS = [layers.attention_token_major, layers.attention_heads_major]  # `attention` takes one by platform
+
+
+@pytest.mark.parametrize("formulation", FORMULATIONS)
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (8, 2), (6, 1)])
-def test_attention_gqa_masks(h, hkv):
+def test_attention_gqa_masks(h, hkv, formulation):
+  attention = jax.jit(formulation)
   rng = np.random.default_rng(h * 10 + hkv)
   b, l, d = 2, 12, 8
   q = rng.normal(size=(b, l, h, d)).astype(np.float32)
@@ -77,7 +81,7 @@ def test_attention_gqa_masks(h, hkv):
   mask = _masks(rng, b, l, l)
   out = np.asarray(attention(*map(jnp.asarray, (q, k, v, mask))))
   np.testing.assert_allclose(out, _attention64(q, k, v, mask), rtol=1e-5, atol=1e-5)
-  out_nomask = np.asarray(jax.jit(layers.attention)(*map(jnp.asarray, (q, k, v))))
+  out_nomask = np.asarray(attention(*map(jnp.asarray, (q, k, v))))
   np.testing.assert_allclose(out_nomask, _attention64(q, k, v, None), rtol=1e-5, atol=1e-5)
 
   # masked keys get exactly zero probability: arbitrary k/v there cannot change the output
@@ -91,8 +95,10 @@ def test_attention_gqa_masks(h, hkv):
   np.testing.assert_array_equal(out2[:, l // 2], out[:, l // 2])
 
 
-def test_attention_head_grouping_is_interleaved():
+@pytest.mark.parametrize("formulation", FORMULATIONS)
+def test_attention_head_grouping_is_interleaved(formulation):
   """Query head h reads kv head h // (H/Hkv): zeroing kv head 1 changes query heads 2,3 only (H=4, Hkv=2)."""
+  attention = jax.jit(formulation)
   rng = np.random.default_rng(5)
   q = rng.normal(size=(1, 6, 4, 8)).astype(np.float32)
   k, v = (rng.normal(size=(1, 6, 2, 8)).astype(np.float32) for _ in range(2))
