@@ -7,8 +7,8 @@ layers as memory.sharing says.
 
 Where the memory placement is periodic (the paper: every 4th layer from 2) the layers are built as
 `num_groups` stacked copies of one `period`-layer group and run under `lax.scan`, so compile time
-stays flat with depth (on a CPU the scan is unrolled: see `_scan`); otherwise one group holds all layers, unrolled. Vanilla models are the same
-code with no memory layer.
+stays flat with depth (on a CPU the scan is unrolled: see `_scan`); otherwise one group holds all
+layers, unrolled. Vanilla models are the same code with no memory layer.
 """
 from __future__ import annotations
 
