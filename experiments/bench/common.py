@@ -34,6 +34,7 @@ from moc_jax.config import bank_shape
 from moc_jax.errors import ConfigError
 from moc_jax.losses import lm_loss, next_token_ce
 from moc_jax.state import build_state
+from moc_jax.train import peaks
 from moc_jax.train.peaks import cpu_model
 from moc_jax.train.step import bank_delta_shape, jit_train_step
 
@@ -138,6 +139,17 @@ def tokens_per_step(config) -> int:
 def analytic_train_flops_per_step(config) -> float:
   """Model FLOPs of one optimizer step: fwd + bwd per token (no recompute, no optimizer) x tokens."""
   return flops.model_flops_per_token(config) * tokens_per_step(config)
+
+
+PEAK_SIZES = (1024, 2048)  # square matmul sizes of an in-process CPU peak
+
+
+def device_peak(dtype, peak_sizes=PEAK_SIZES):
+  """(peak FLOP/s of this process's device in `dtype`, where it came from): on a CPU measured here and now
+  (`peaks.measure`), so a step timed right after sees the same machine state; else the table's."""
+  if jax.devices()[0].platform == "cpu":
+    return peaks.measure(dtype, sizes=peak_sizes)["flops_per_s"], "peaks.measure in this process"
+  return peaks.device_peak_flops(dtype)
 
 
 def mfu(flops_per_step: float, step_seconds: float, peak_flops: float | None, devices: int = 1) -> float | None:

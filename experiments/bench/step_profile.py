@@ -25,7 +25,6 @@ from absl import flags
 
 from experiments.bench import common
 from moc_jax import cli
-from moc_jax.train import peaks
 
 _FLAGS = cli.command_flags(__doc__)
 common.define_config_flags(_FLAGS, "configs/moc.py:small", None)
@@ -126,8 +125,7 @@ def category(opcode: str, flops: float, name: str) -> str:
 
 def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3, warmup=2, top=25) -> dict:
   cfg, _ = common.load(config, batch_size, overrides)
-  peak = peaks.measure(cfg.model.compute_dtype, sizes=(1024, 2048))["flops_per_s"] if (
-      jax.devices()[0].platform == "cpu") else peaks.device_peak_flops(cfg.model.compute_dtype)
+  peak, _ = common.device_peak(cfg.model.compute_dtype)
   trainer = common.trainer(cfg)
   untraced = common.summary(trainer.run(steps, warmup))
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -143,14 +141,16 @@ def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3,
     cat = category(opcode, f, name)
     by_category[cat] += s
     source = re.search(r'op_name="([^"]*)"', rest)
-    rows.append({"op": name, "category": cat, "shape": shape, "ms": 1e3 * s, "calls": calls[name], "gflop": f / 1e9,
-                 "gflops_per_s": f / s / 1e9 if f and s else None, "ms_at_peak": 1e3 * f / peak if peak and f else None,
+    rows.append({"op": name, "category": cat, "shape": shape, "ms": 1e3 * s, "calls": calls[name],
+                 "gflop": f / 1e9, "gflops_per_s": f / s / 1e9 if f and s else None,
+                 "ms_at_peak": 1e3 * f / peak if peak and f else None,
                  "source": source.group(1).split("/")[-1] if source else ""})
   matmul_flops = sum(r["gflop"] for r in rows) * 1e9
   total = sum(by_category.values())
   return {"name": "step_profile", "config": config, "overrides": overrides or {},
-          "batch": [cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len], "compute_dtype": cfg.model.compute_dtype,
-          "compile_s": trainer.compile_s, "step": untraced, "traced_step": traced, "op_seconds_per_step": total, "peak_flops_per_s": peak,
+          "batch": [cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len],
+          "compute_dtype": cfg.model.compute_dtype, "compile_s": trainer.compile_s, "step": untraced,
+          "traced_step": traced, "op_seconds_per_step": total, "peak_flops_per_s": peak,
           "model_flops_per_step": trainer.flops_per_step, "matmul_flops_per_step": matmul_flops,
           "matmul_s_at_peak": matmul_flops / peak if peak else None,
           "categories": {k: {"s": v, "share": v / total} for k, v in by_category.most_common()},

@@ -19,23 +19,15 @@ from absl import flags
 
 from experiments.bench import common
 from moc_jax import cli, flops
-from moc_jax.train import peaks
 
 GOAL = 0.5
-PEAK_SIZES = (1024, 2048)
 
 _FLAGS = cli.command_flags(__doc__)
 common.define_config_flags(_FLAGS, "configs/moc.py:small", None)
 flags.DEFINE_integer("steps", 3, "timed steps", flag_values=_FLAGS)
 flags.DEFINE_integer("warmup", 1, "untimed steps after compilation", flag_values=_FLAGS)
 flags.DEFINE_integer("profile_reps", 2, "timed calls per profiled part; 0 = no profile", flag_values=_FLAGS)
-common.define_int_list_flag(_FLAGS, "peak_sizes", PEAK_SIZES, "square matmul sizes of the in-process CPU peak")
-
-
-def device_peak(dtype, peak_sizes):
-  if jax.devices()[0].platform == "cpu":
-    return peaks.measure(dtype, sizes=peak_sizes)["flops_per_s"], "peaks.measure in this process"
-  return peaks.device_peak_flops(dtype)
+common.define_int_list_flag(_FLAGS, "peak_sizes", common.PEAK_SIZES, "square matmul sizes of the in-process CPU peak")
 
 
 def profile(trainer, reps) -> dict:
@@ -58,10 +50,10 @@ def profile(trainer, reps) -> dict:
 
 
 def run(config="configs/moc.py:small", batch_size=None, overrides=None, steps=3, warmup=1, profile_reps=2,
-        peak_sizes=PEAK_SIZES) -> dict:
+        peak_sizes=common.PEAK_SIZES) -> dict:
   cfg, _ = common.load(config, batch_size, overrides)
   dtype = cfg.model.compute_dtype
-  peak, peak_source = device_peak(dtype, peak_sizes)
+  peak, peak_source = common.device_peak(dtype, peak_sizes)
   trainer = common.trainer(cfg)
   step = common.summary(trainer.run(steps, warmup))
   hardware = flops.estimate(cfg, cfg.train.batch_size, recompute=cfg.model.remat != "none")["train"]["step"]

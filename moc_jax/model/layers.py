@@ -25,8 +25,8 @@ def matrix_dot_general(x, kernel, dimension_numbers, **kwargs):
   """`lax.dot_general` for a Linear's `x [..., in] @ kernel [in, out]`, run as one 2-D matmul over the
   flattened leading axes. Same product; the reason is the backward pass: the kernel's gradient of a 3-D
   contraction reaches XLA as a transposed dot whose operands XLA's CPU backend copies into a transposed
-  layout (about a quarter of the `small` train step on a CPU), while the 2-D form's gradient is a plain
-  [in, N] @ [N, out] product."""
+  layout, while the 2-D form's gradient is a plain [in, N] @ [N, out] product
+  (docs/results/2026-11-27-cpu-step-speed.md)."""
   (((contract,), _), _) = dimension_numbers
   if x.ndim <= 2 or contract != x.ndim - 1:
     return jax.lax.dot_general(x, kernel, dimension_numbers, **kwargs)
@@ -94,7 +94,7 @@ def attention(q, k, v, mask=None):
 
   Query head h reads kv head h // (H/Hkv) (MoC-PT's repeat_interleave grouping). Scores and softmax
   are float32; the value product runs in v's dtype. Two formulations of the same values, by platform: on a CPU
-  `attention_heads_major` (half the attention's time there), elsewhere `attention_token_major`, with which the TPU
+  `attention_heads_major` (the faster there), elsewhere `attention_token_major`, with which the TPU
   compiler holds the 262k model's evaluation step on v5e in 13.4 GiB a device where the other needs 19.5
   (docs/results/2026-11-27-cpu-step-speed.md).
   """
@@ -118,7 +118,7 @@ def attention_heads_major(q, k, v, mask=None):
   """`attention` with the heads moved in front first ([B, Hkv, G*Lq, D] against [B, Hkv, Lk, D]): every product,
   forward and backward, is a plain batched matmul over the heads, the G query heads of a kv head stacked into one,
   which XLA's CPU backend runs without transposing the [.., Lq, Lk] weights; and the softmax's division comes after
-  the value product, on [.., Lq, D] rather than [.., Lq, Lk]. Together they halve the attention's time on a CPU."""
+  the value product, on [.., Lq, D] rather than [.., Lq, Lk]: fewer passes over the largest arrays of a CPU step."""
   b, lq, h, d = q.shape
   lk, hkv = k.shape[1], k.shape[2]
   g = h // hkv

@@ -81,9 +81,8 @@ class ProductKeys(nnx.Module):
 
   def _lookup(self, q, keys):
     """The search scores every sub-key but is not differentiated: the k chosen slots' scores are computed again
-    from their two gathered sub-keys, so the backward pass touches k sub-key rows per query and head, not n (on
-    `tiny` with 4M slots the dense backward of the [queries, heads, 2, n] scores was most of the step's growth
-    with the table)."""
+    from their two gathered sub-keys, so the backward pass touches k sub-key rows per query and head, not n, and
+    never the [queries, heads, 2, n] scores (docs/results/2026-11-27-pkm-sparse-search.md)."""
     halves = normalize_tokens(q.reshape(q.shape[:-1] + (2, q.shape[-1] // 2)), self.query_norm, self.eps)
     halves, keys = halves.astype(self.dtype), keys.astype(self.dtype)
     # each half's scores [heads, ..., n] from a product of its own, heads first as the product leaves them: slicing

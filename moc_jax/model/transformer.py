@@ -258,8 +258,8 @@ class Transformer(nnx.Module):
       return constrain(h, "batch", None, None), out
 
     # A CPU runs the unrolled loop: XLA's CPU while loop slices each group's parameters out of the stack and
-    # writes each group's residuals into stacked buffers it first zero-fills, about a tenth of the `small`
-    # train step. Compile time, the reason to scan on an accelerator, does not grow at the depths a CPU trains.
+    # writes each group's residuals into stacked buffers it first zero-fills (docs/results/2026-11-27-cpu-step-
+    # speed.md). Compile time, the reason to scan on an accelerator, does not grow at the depths a CPU trains.
     return jax.lax.scan(body, h, (state, banks if per_group_bank else None, per_group), unroll=cpu_layouts())
 
   def shift_balance_bias(self, step):
