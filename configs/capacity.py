@@ -15,7 +15,7 @@ ratios):
   wide      d 64, 4 heads, SwiGLU 192 (the gate's): 197,184 (213,824): 0.45 bits per parameter
   memories  each about 2.7x the narrow backbone, read by layers 1 and 3: a bank of 257 chapters x 16 tokens at d 32
             (131,584; top-4, 936,273 model FLOPs per token), a pkm table of 64^2 slots x 32 (131,072; top-8, 2 heads;
-            802,348) or two hml tables of 64^2 x 16 (131,072; 919,756)
+            770,604) or two hml tables of 64^2 x 16 (131,072; 901,324)
   iso       the narrow backbone at SwiGLU 208 (92,448 without the embedding: 0.95 bits per parameter), 952,468 FLOPs
             per token: +1.7% on the costliest memory arm, the bank
 

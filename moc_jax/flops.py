@@ -19,7 +19,10 @@ Rules its counting (docs/mocpt_semantics.md#flops-counting-rules) leaves open, f
 
 The product-key kinds (memory.kind pkm, hml) are not MoC-PT's and are counted by the same per-element rules
 (`_pkm_extra`, `_hml_extra`): a query's half scores its n sub-keys (a matmul), the top-k search counts as the
-product router's, and reading k value rows of width d_v costs 2*k*d_v per query head.
+product router's, the k chosen slots' scores are computed again from their sub-keys (2*k*dim), and reading k
+value rows of width d_v costs 2*k*d_v per query head. Unlike the rest, the search (the `search` nodes: scores,
+top-k, candidate sums) has no backward pass and is not recomputed under remat (model/product_keys.py keeps its
+result), so the backward and recompute terms leave it out.
 
 `python -m moc_jax.flops --config=configs/moc.py:262k [--batch=B] [--seq_len=L] [--json] [--config.x=y]`
 """
@@ -35,6 +38,7 @@ SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
 MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
 SWIGLU = 5      # per hidden element: SiLU 4 + the gate product 1
 POOL_WEIGHT = 5  # attention pooling, per position: cap (divide, tanh, multiply), exp, mask
+SEARCH = "search"  # a component run forward only, once: no backward, no recompute (the product-key search)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +275,10 @@ def _product_lookup(c, queries, dim, value_dim):
   mem = c.memory
   n, k = mem.pkm_sub_keys, mem.pkm_top_k
   norm = layer_norm(2 * queries, dim // 2) if mem.pkm_query_norm == "layernorm" else Flops(0)
-  return {"query_norm": norm, "scores": linear(2 * queries, dim // 2, n), **_product_search(queries, n, n, n * n, k),
+  found = _product_search(queries, n, n, n * n, k)
+  weights = found.pop("weights")
+  return {"query_norm": norm, SEARCH: {"scores": linear(2 * queries, dim // 2, n), **found},
+          "rescore": linear(2 * queries * k, dim // 2, 1), "weights": weights,
           "values": Flops(2 * queries * k * value_dim)}
 
 
@@ -331,6 +338,11 @@ def _sum(tree, matmul=None) -> int:
              for v in tree.values())
 
 
+def _sum_forward_only(tree) -> int:
+  """FLOPs of the tree's SEARCH nodes (run forward only, once)."""
+  return sum(_sum(v) if k == SEARCH else _sum_forward_only(v) for k, v in tree.items() if isinstance(v, dict))
+
+
 def _render(tree) -> dict:
   return {"total": _sum(tree), **{k: _render(v) if isinstance(v, dict) else v.count for k, v in tree.items()}}
 
@@ -363,12 +375,14 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
   layers = weighted()
   forward = layers + _sum(head)
   matmul = weighted(True) + _sum(head, True)
-  recompute_layers = layers if recompute else 0
+  forward_only = n_mem * _sum_forward_only(mem_layer) if n_mem else 0
+  recompute_layers = layers - forward_only if recompute else 0
   recompute_memory = 0
   if n_mem and not flash and config.memory.kind == "chapters":  # memory attention up to W_o, once more per layer
     attention = mem_layer["memory"]["attention"]
     recompute_memory = n_mem * (_sum(attention) - attention["o"].count)
-  micro = 3 * forward + recompute_layers + recompute_memory
+  backward = 2 * (forward - forward_only)
+  micro = forward + backward + recompute_layers + recompute_memory
   return {
       "batch": batch, "seq_len": l,
       "layers": {"standard": n_std, "memory": list(mem_layers), "banks": len(set(bank_ids(config)))},
@@ -378,7 +392,7 @@ def estimate(config, batch=1, seq_len=None, *, recompute=True, flash=True, world
       "head": _render(head),
       "forward": {"total": forward, "matmul": matmul, "elementwise": forward - matmul, "layers": layers,
                   "head": _sum(head)},
-      "backward": 2 * forward,
+      "backward": backward,
       "recompute": {"total": recompute_layers + recompute_memory, "layers": recompute_layers,
                     "memory_attention": recompute_memory},
       "train": {"micro_step": micro, "step": micro * accum * world_size, "run": micro * accum * world_size * steps,
@@ -420,7 +434,7 @@ def _table(e, config, per_token) -> str:
   walk("head", e["head"], 0)
   f, r, t = e["forward"], e["recompute"], e["train"]
   rows += [(0, "forward", f["total"]), (1, "matmul", f["matmul"]), (1, "element-wise", f["elementwise"]),
-           (0, "backward (2 x forward)", e["backward"]), (0, "recompute", r["total"]),
+           (0, "backward (2 x forward, search excluded)", e["backward"]), (0, "recompute", r["total"]),
            (1, "layers", r["layers"]), (1, "memory attention (no flash)", r["memory_attention"]),
            (0, "train / micro-step", t["micro_step"]),
            (0, f"train / step (x{t['accum']} accum, x{t['world_size']} devices)", t["step"]),

@@ -12,9 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from moc_jax.model.layers import normalize_tokens, param_init
 from moc_jax.sharding import current, logical_spec
+
+# The name of the search's result (the slot ids) in the forward pass: the remat policies (model/transformer.py) keep
+# it, so the backward pass recomputes the chosen slots' scores but not the search that chose them.
+SEARCH_RESULT = "product_key_ids"
 
 
 def product_candidates(a: int, b: int, cells: int, k: int) -> tuple[int, int, int, int, int]:
@@ -91,7 +96,7 @@ class ProductKeys(nnx.Module):
     front = jnp.moveaxis(halves, -3, 0)  # [heads, ..., 2, dim/2]
     rows, cols = (jax.lax.stop_gradient(jnp.einsum("h...d,hnd->h...n", front[..., c, :], keys[:, c],
                                                    preferred_element_type=jnp.float32)) for c in (0, 1))
-    ids = jnp.moveaxis(product_top_k(rows, cols, self.top_k)[0], 0, -2)
+    ids = checkpoint_name(jnp.moveaxis(product_top_k(rows, cols, self.top_k)[0], 0, -2), SEARCH_RESULT)
     n, heads = keys.shape[2], jnp.arange(keys.shape[0])[:, None]
     top = sum(jnp.einsum("...hd,...hkd->...hk", halves[..., c, :], keys[heads, c, part],
                          preferred_element_type=jnp.float32) for c, part in enumerate((ids // n, ids % n)))

@@ -21,10 +21,15 @@ from moc_jax.model.hml import HMLBlock
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU, cpu_layouts
 from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
 from moc_jax.model.pkm import PKMLayer
+from moc_jax.model.product_keys import SEARCH_RESULT
 from moc_jax.model.value_table import ValueTable
 from moc_jax.sharding import constrain, padded_chapters
 
-_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# Both keep the product-key search's slot ids: recomputing an integer result costs the whole search (on a CPU at 4M
+# slots, a third of the step) and saves a few bytes per token.
+_KEEP_SEARCH = jax.checkpoint_policies.save_only_these_names(SEARCH_RESULT)
+_REMAT_POLICIES = {"full": _KEEP_SEARCH, "dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP_SEARCH)}
 
 
 # the memory of a memory layer, by memory.kind: a read inside the block, or (hml) a block before it

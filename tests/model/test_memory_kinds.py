@@ -200,6 +200,31 @@ def test_hml_model_at_initialisation_is_its_backbone():
   np.testing.assert_array_equal(np.asarray(hml(ids)[0]), np.asarray(backbone(ids)[0]))
 
 
+@pytest.mark.parametrize("kind", ["pkm", "hml"])
+def test_remat_keeps_the_search(kind):
+  """Under remat the backward pass recomputes the layers but not the product-key search (the policies keep its slot
+  ids): the compiled gradient runs as many top-k searches as the forward (XLA's CPU backend lowers each lax.top_k to
+  a TopK call, two per lookup), and its gradients are remat=none's."""
+  overrides = {**(PKM if kind == "pkm" else HML), "model.scan_layers": False}
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, 260, (2, 24)), jnp.int32)
+
+  def loss_of(remat):
+    graphdef, state = nnx.split(randomize(moc_jax.build_model(config({**overrides, "model.remat": remat}), seed=0), 1))
+    return (lambda st: jnp.mean(nnx.merge(graphdef, st)(ids)[0] ** 2)), state
+
+  grads = {}
+  for remat in ("none", "full", "dots"):
+    loss, state = loss_of(remat)
+    f, g = jax.jit(loss), jax.jit(jax.grad(loss))
+    searches = [f.lower(state).compile().as_text().count('custom_call_target="TopK"'),
+                g.lower(state).compile().as_text().count('custom_call_target="TopK"')]
+    assert searches == [4, 4], (remat, searches)  # two memory layers x two halves
+    grads[remat] = g(state)
+  for remat in ("full", "dots"):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+                 grads[remat], grads["none"])
+
+
 # --- parameter counts -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sharing, tables", [("shared", 1), ("per_layer", 2)])

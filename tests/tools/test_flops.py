@@ -268,11 +268,17 @@ def test_token_routing_counts_the_shared_chapters_projected_per_row():
 
 
 def _lookup_by_hand(q, half, n, k, value_dim):
-  """Product keys of q queries: two halves against n sub-keys each, the top-k of each half's n scores, the k^2
-  candidate sums and their top-k, the chosen scores' sums and softmax, and k value rows of value_dim read."""
+  """Product keys of q queries: the search (two halves against n sub-keys each, the top-k of each half's n scores,
+  the k^2 candidate sums and their top-k), the k chosen slots' two half scores again, their sums and softmax, and k
+  value rows of value_dim read."""
   log_k = (k - 1).bit_length()
-  return {"query_norm": 0, "scores": 2 * (2 * q) * half * n, "top_k": 2 * q * n * log_k + q * k * k * log_k,
-          "candidates": q * k * k, "weights": q * k + 5 * q * k, "values": 2 * q * k * value_dim}
+  search = {"scores": 2 * (2 * q) * half * n, "top_k": 2 * q * n * log_k + q * k * k * log_k, "candidates": q * k * k}
+  return {"query_norm": 0, "search": {"total": sum(search.values()), **search}, "rescore": 2 * (2 * q * k) * half,
+          "weights": q * k + 5 * q * k, "values": 2 * q * k * value_dim}
+
+
+def _total(tree):
+  return sum(v["total"] if isinstance(v, dict) else v for v in tree.values())
 
 
 def test_pkm_memory_layer_by_hand():
@@ -285,12 +291,14 @@ def test_pkm_memory_layer_by_hand():
   assert m["query"] == 2 * t * d * heads * dq and m["norm"] == t * (4 * d + 4) and m["residual"] == t * d
   assert m["output"] == {"total": 2 * (2 * t * d * dv) + 5 * t * dv, "gate": 2 * t * d * dv, "out": 2 * t * dv * d,
                          "activation": 5 * t * dv}
-  assert m["total"] == t * (4 * d + 4) + 2 * t * d * heads * dq + sum(lookup.values()) + m["output"]["total"] + t * d
+  assert m["total"] == t * (4 * d + 4) + 2 * t * d * heads * dq + _total(lookup) + m["output"]["total"] + t * d
   ln = flops.estimate(moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": "pkm",
                                                                   "memory.pkm_query_norm": "layernorm"}), 1, t)
   assert ln["memory_layer"]["memory"]["lookup"]["query_norm"] == 2 * t * heads * (8 * dq // 2 + 8)
   assert flops.estimate(c, 1, t)["selected_memory_tokens"] == t * heads * k
-  assert flops.model_flops_per_token(c) == 3 * flops.estimate(c, 1)["forward"]["total"] / 256  # one sequence
+  # one sequence; the search (in 2 memory layers) has no backward pass
+  search = 2 * _lookup_by_hand(256 * heads, dq // 2, n, k, dv)["search"]["total"]
+  assert flops.model_flops_per_token(c) == (3 * flops.estimate(c, 1)["forward"]["total"] - 2 * search) / 256
 
 
 def test_hml_memory_block_by_hand():
@@ -304,7 +312,24 @@ def test_hml_memory_block_by_hand():
   lookup = _lookup_by_hand(t * heads, dh // 2, n, k, dh)
   assert {key: v for key, v in m["lookup"].items() if key != "total"} == lookup
   assert m["maps"] == 2 * t * heads * dh * dh and m["rope"] == 3 * t * (d + kv)
-  assert m["total"] == t * (4 * d + 4) + attention + 3 * t * (d + kv) + sum(lookup.values()) + m["maps"] + t * d
+  assert m["total"] == t * (4 * d + 4) + attention + 3 * t * (d + kv) + _total(lookup) + m["maps"] + t * d
+
+
+def test_search_runs_forward_only_once():
+  """The product-key search has no backward pass and is not recomputed under remat (the remat policies keep its
+  result): a train step counts it once, every other FLOP of the layers three times and once more recomputed. A
+  chapter read keeps MoC-PT's rule, backward = 2 x forward."""
+  for kind in ("pkm", "hml"):
+    c = moc_jax.load_config("configs/moc.py:tiny", {"memory.kind": kind})
+    e = flops.estimate(c, 2, 64)
+    search = 2 * e["memory_layer"]["memory"]["lookup"]["search"]["total"]  # two memory layers
+    forward, layers = e["forward"]["total"], e["forward"]["layers"]
+    assert search > 0 and e["backward"] == 2 * (forward - search), kind
+    assert e["recompute"]["layers"] == layers - search, kind
+    assert e["train"]["micro_step"] == 3 * forward - 2 * search + layers - search, kind
+  chapters = flops.estimate(moc_jax.load_config("configs/moc.py:tiny"), 2, 64)
+  assert chapters["backward"] == 2 * chapters["forward"]["total"]
+  assert chapters["recompute"]["layers"] == chapters["forward"]["layers"]
 
 
 def test_iso_flop_width_of_every_kind():
