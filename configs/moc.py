@@ -248,9 +248,37 @@ def _kinds(c):
   return _seeds([*({"memory.kind": kind} for kind in schema.MEMORY_KINDS), NO_MEMORY])
 
 
+CLUSTER_K = 4  # the `cluster` sweep's tree: 4-ary, data.cluster.levels (2) deep
+
+
+def _cluster_arm(c) -> dict:
+  """Cluster routing over the config's routable chapters: a CLUSTER_K-ary tree whose leaves own as many chapters as
+  fit after each level-0 node has its share (tiny: 4·4 + 3·16 = 64, read 1 + 7 where the router reads 1 + 8)."""
+  levels, routable = c.data.cluster.levels, c.memory.num_chapters - c.memory.num_shared
+  leaf = (routable - CLUSTER_K) // CLUSTER_K ** levels  # the rest, at least 1 chapter, to each level-0 node
+  per_level = (routable - leaf * CLUSTER_K ** levels) // CLUSTER_K, *(0,) * (levels - 2), leaf
+  if sum(r * CLUSTER_K ** (level + 1) for level, r in enumerate(per_level)) != routable or leaf < 1:
+    raise ValueError(f"the `cluster` sweep cannot lay {routable} routable chapters on a {CLUSTER_K}-ary tree of "
+                     f"{levels} levels")
+  return {"memory.routing": "cluster", "data.cluster.k": CLUSTER_K, "memory.cluster_chapters": per_level}
+
+
+def _cluster(c):
+  """Memory fetched by the document's path against the learned router (the config's), with the generic-memory
+  control (data.cluster.generic = 1/(k+1), the paper's co-training: Σ r_l more chapters), and the iso-FLOP dense
+  model, once per seed (docs/routing.md#cluster-routing-memorycluster_chapters)."""
+  arm = _cluster_arm(c)
+  generic = sum(arm["memory.cluster_chapters"])
+  per_chapter = c.memory.num_tokens // c.memory.num_chapters
+  return _seeds([{}, arm, {**arm, "data.cluster.generic": round(1 / (CLUSTER_K + 1), 6),
+                           "memory.num_chapters": c.memory.num_chapters + generic,
+                           "memory.num_tokens": (c.memory.num_chapters + generic) * per_chapter},
+                 {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
+
+
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
           "routing": _routing, "bank_seeds": _bank_seeds, "bank_scale": _bank_scale, "budget": _budget,
-          "bank_lr": _bank_lr, "kinds": _kinds,
+          "bank_lr": _bank_lr, "kinds": _kinds, "cluster": _cluster,
           "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
 
 

@@ -24,6 +24,17 @@ def reads_cluster_paths(c) -> bool:
   return bool(c.memory.enabled and memory_layers(c) and c.memory.kind == "chapters" and c.memory.routing == "cluster")
 
 
+def cluster_ranges(num_shared: int, k: int, per_level, generic: bool) -> tuple[list[tuple[int, int]], int | None]:
+  """Where cluster routing's chapters lie in the bank: ([start, stop) of the chapters each level's nodes own, level by
+  level, node j of level l owning per_level[l] consecutive ones from start + j * per_level[l]], the first of the
+  sum(per_level) generic chapters after them (data.cluster.generic), or None)."""
+  ranges, start = [], num_shared
+  for level, r in enumerate(per_level):
+    ranges.append((start, start + r * k ** (level + 1)))
+    start = ranges[-1][1]
+  return ranges, (start if generic else None)
+
+
 def chapters_read(c) -> int:
   """Chapters each routing decision reads: the shared ones and the top-k routed, or under cluster routing the ones
   owned by the nodes of a path (one memory.cluster_chapters entry per level)."""

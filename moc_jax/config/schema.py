@@ -21,6 +21,7 @@ PLACEMENTS = ("all", "first_k", "last_k", "every_n", "spread", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")
 VARIANTS = ("A", "B")
 TOKEN_NORMS = ("rms", "layernorm", "none")
+GENERIC_PATH = -2  # a cluster path at every level that reads the generic chapters (data.cluster.generic); -1: padding
 ROUTINGS = ("sequence", "segment", "token", "prefix", "chunk", "cluster")
 CAUSAL_ROUTINGS = ("token", "prefix", "chunk")  # a position's chapters depend only on tokens at or before it
 DECODE_ROUTINGS = ("auto", "sequence", "rolling", "hybrid", *CAUSAL_ROUTINGS)
@@ -222,6 +223,10 @@ def data_config() -> config_dict.ConfigDict:
   cl.k = 0
   cl.levels = 2
   cl.seed = 0
+  # the generic-memory control (Pouransari et al. co-train with 1/(k+1)): each training document reads, with this
+  # probability, a fixed set of generic chapters (as many as a path's, after the tree's in the bank) instead of its
+  # path's; evaluation reports CE and recall with every document on the generic set beside its fetched one. 0: none
+  cl.generic = 0.0
 
   # the moc_facts corpus: these are its only defaults (data/facts.py's MocFactsConfig is built from them)
   f = c.facts = config_dict.ConfigDict()

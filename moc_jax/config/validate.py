@@ -82,6 +82,10 @@ def validate_data(d) -> None:
       raise DataError(f"config.data.cluster.{field}: must be an integer >= {minimum}, got {value!r}")
   if d.cluster.k == 1:
     raise DataError("config.data.cluster.k: 1 gives every document the same path; use k >= 2, or 0 for no paths")
+  generic = d.cluster.generic
+  if isinstance(generic, bool) or not isinstance(generic, (int, float)) or not 0 <= generic < 1:
+    raise DataError(f"config.data.cluster.generic: must be a probability in [0, 1), got {generic!r} (Pouransari et "
+                    f"al.: 1/(k+1))")
 
 
 def _validate_memory(c):
@@ -191,10 +195,13 @@ def _validate_cluster(c):
           f"data.cluster.levels={cluster.levels}), not all 0", "give the chapters each node of a level owns, e.g. "
           f"{(1,) * cluster.levels}")
   owned = sum(r * cluster.k ** (level + 1) for level, r in enumerate(per_level))
-  if mem.num_chapters - mem.num_shared != owned:
+  generic = sum(per_level) if cluster.generic else 0
+  if mem.num_chapters - mem.num_shared != owned + generic:
+    also = f" and {generic} generic ones (data.cluster.generic={cluster.generic})" if generic else ""
     _fail("memory.num_chapters", f"{mem.num_chapters} leaves {mem.num_chapters - mem.num_shared} routable chapters "
           f"beside num_shared={mem.num_shared}, and the tree's nodes own {owned} (sum of cluster_chapters[l] * "
-          f"data.cluster.k**(l+1))", f"set num_chapters={mem.num_shared + owned} (and num_tokens to a multiple)")
+          f"data.cluster.k**(l+1)){also}", f"set num_chapters={mem.num_shared + owned + generic} (and num_tokens "
+          "to a multiple)")
   if mem.routing_pool != "mean":
     _fail("memory.routing_pool", f"{mem.routing_pool!r} with memory.routing='cluster', which has no router to pool "
           "for", "leave memory.routing_pool='mean'")

@@ -8,7 +8,9 @@ chat) and every split goes through the one traversal, and a probe's prompt is tr
 
 Paths are per token (`token_paths`): `document` gives every token its whole document's path (training: the path then
 tells a document's early positions something of its later tokens, at most levels·log2(k) bits); `prefix` gives token t
-the path of the document's tokens up to t (causal: what evaluation reports beside it).
+the path of the document's tokens up to t (causal: what evaluation reports beside it); `generic` puts every document
+on the generic chapters (`data.cluster.generic`, which in training does so for a random share of the documents:
+`generic_paths`).
 """
 from __future__ import annotations
 
@@ -21,12 +23,13 @@ import re
 
 import numpy as np
 
+from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.data.cluster_tree import Embedder, Tree, build_tree
 from moc_jax.data.sources import data_dir, open_source, read_manifest
 
 log = logging.getLogger("moc_jax")
 
-PATH_MODES = ("document", "prefix")
+PATH_MODES = ("document", "prefix", "generic")
 _FORMAT = 1  # bump when the cached file's contents change meaning
 
 
@@ -65,11 +68,26 @@ def fit_index(texts, k: int, levels: int, seed: int) -> ClusterIndex:
 def token_paths(index: ClusterIndex, ids, length: int, decode, mode: str) -> np.ndarray:
   """[length, levels] int32 paths for the tokens of an element made from document `ids` (`length` <= len(ids) + 1:
   the ids truncated, or the ids and an EOS). `document`: the whole document's path at every token; `prefix`: token t
-  the path of ids[:t + 1] (an EOS past the ids takes the whole document's)."""
+  the path of ids[:t + 1] (an EOS past the ids takes the whole document's); `generic`: GENERIC_PATH at every token
+  (the generic chapters of data.cluster.generic, whatever the document)."""
+  if mode == "generic":
+    return np.full((length, index.levels), GENERIC_PATH, np.int32)
   if mode == "document":
     return np.repeat(index([decode(ids)]), length, axis=0)
   paths = index([decode(ids[:t + 1]) for t in range(min(length, len(ids)))])
   return np.concatenate([paths, np.repeat(paths[-1:], length - len(paths), axis=0)])
+
+
+def generic_paths(index: int, element, *, probability: float, seed: int, process_index: int, process_count: int):
+  """Training's generic-memory control: with `probability`, an element's document reads the generic chapters (its
+  paths become GENERIC_PATH). `index` is the element's place in this process's stream; the coin hashes the data seed
+  with its place in the global stream, so a resumed run and any process count draw the same coins."""
+  if element is None:
+    return None
+  coin = np.random.default_rng([seed, 0x67656E, index * process_count + process_index]).random()
+  if coin >= probability:
+    return element
+  return {**element, "cluster_path": np.full_like(element["cluster_path"], GENERIC_PATH)}
 
 
 def _dataset_identity(config_data, tokenizer) -> dict:

@@ -10,7 +10,8 @@ Batch format (numpy, per process, B = config.data.batch_size, L = config.data.se
   n_malformed     int32 []      malformed records skipped just before the documents that start in this batch
                                 (i.e. since the previous batch; the sum over batches is the total: add it up)
   cluster_path    int32 [B, L, levels]  only with data.cluster.k > 0: the path down the cluster tree of the document
-                                each token belongs to (data/cluster_paths.py); -1 on padding
+                                each token belongs to (data/cluster_paths.py); -1 on padding, GENERIC_PATH where
+                                the document reads the generic chapters (data.cluster.generic)
 Layouts:
   pad_truncate  MoC-PT's layout (docs/mocpt_semantics.md): one document per row, truncated to L, right-padded, no
                 BOS/EOS added, labels -100 on pads.
@@ -34,6 +35,7 @@ that holds that token, and the iterator state needs nothing beyond grain's own.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import grain
@@ -42,7 +44,7 @@ import numpy as np
 from moc_jax.config.validate import validate_data
 from moc_jax.errors import DataError
 from moc_jax.data.chat import IGNORE
-from moc_jax.data.cluster_paths import cluster_index, token_paths
+from moc_jax.data.cluster_paths import cluster_index, generic_paths, token_paths
 from moc_jax.data.sources import open_source
 from moc_jax.data.tokenizers import get_tokenizer
 
@@ -262,6 +264,9 @@ def _elements(c, split, tokenizer, *, process_index=0, process_count=1, train, p
   path_fn = None if index is None else (lambda ids, n: token_paths(index, ids, n, tokenizer.decode, paths))
   ds = ds.map(lambda r: _to_element(r, to_example=to_example, layout=c.layout, boundaries=c.pack_boundaries,
                                     eos_id=tokenizer.eos_id, seq_len=c.seq_len, paths=path_fn))
+  if train and index is not None and c.cluster.generic:
+    ds = ds.map_with_index(functools.partial(generic_paths, probability=c.cluster.generic, seed=c.seed,
+                                             process_index=process_index, process_count=process_count))
   return ds, -(-len(records) // process_count)
 
 

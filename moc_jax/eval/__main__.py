@@ -1,5 +1,5 @@
 """`python -m moc_jax.eval --workdir=DIR [--step=N] [--split=validation] [--mcq=name:path[,name:path]]
-[--mcq_dev=name:path] [--shots=K] [--ablate_chapters=3,17|top:N|routed] [--quantize_bank=int8|int4]
+[--mcq_dev=name:path] [--shots=K] [--ablate_chapters=3,17|top:N|routed|level:L] [--quantize_bank=int8|int4]
 [--noanalyze_routing] [--config.a.b=v ...]`
 
 Evaluates a training run's checkpoint: the run's config.json (with `--config.` overrides on top; the mesh
@@ -35,8 +35,9 @@ flags.DEFINE_list("bucket_edges", [str(e) for e in DOC_BUCKET_EDGES],
                   "Training-document counts where the recall buckets start.")
 flags.DEFINE_bool("analyze_routing", True, "Chapter usage, entropy, stability and plots per memory layer.")
 flags.DEFINE_string("ablate_chapters", None, "Zero these chapters of the bank (value slots of a pkm / hml table) and "
-                    "report the CE and fact-recall change: comma-separated ids, top:N (the N most used) or routed "
-                    "(every routable chapter; every slot of a table).")
+                    "report the CE and fact-recall change: comma-separated ids, top:N (the N most used), routed "
+                    "(every routable chapter; every slot of a table) or, under cluster routing, level:L[,L] (the "
+                    "chapters the tree's level L owns; 0 the root's children).")
 flags.DEFINE_enum("quantize_bank", None, ["int8", "int4"], "Also evaluate with the bank stored as int8 / int4 "
                   "per-row absmax codes (moc_jax/model/quantize.py) and report the change against the float bank.")
 FLAGS = flags.FLAGS

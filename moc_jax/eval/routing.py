@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moc_jax import sharding
-from moc_jax.config import bank_ids, bank_shape, memory_layers
+from moc_jax.config import bank_ids, bank_shape, cluster_ranges, memory_layers, reads_cluster_paths
 from moc_jax.errors import ConfigError
 from moc_jax.eval.scoring import chunk_rows, everywhere, in_chunks, pad_rows
 from moc_jax.router_health import load_stats
@@ -197,7 +197,9 @@ def stability(router, params, probes, tokenizer, config) -> list[dict]:
 def parse_ablation(spec: str, config):
   """`--ablate_chapters`: ("top", N) for `top:N`, ("routed", None) for `routed` (every routable chapter: the
   bank's content without the shared chapters, to ask how much of the model's knowledge lives in it; a product-key
-  table's every slot), or ("ids", [chapter or slot ids]); ConfigError naming the fix."""
+  table's every slot), ("ids", [chapter or slot ids]), or under cluster routing ("ids", the chapters the tree's
+  levels own) for `level:L[,L...]` (0: the root's children, data.cluster.levels - 1: the leaves); ConfigError naming
+  the fix."""
   if not memory_layers(config):
     raise ConfigError("--ablate_chapters: this model has no memory bank")
   num_chapters = bank_shape(config).rows
@@ -206,6 +208,8 @@ def parse_ablation(spec: str, config):
   spec = spec.strip()
   if spec == "routed":
     return "routed", None
+  if spec.startswith("level:"):
+    return "ids", _level_chapters(spec, config)
   if spec.startswith("top:"):
     if not spec[4:].isdigit() or int(spec[4:]) < 1:
       raise ConfigError(f"--ablate_chapters={spec!r}: N must be a positive integer — {fix}")
@@ -217,6 +221,20 @@ def parse_ablation(spec: str, config):
   if not ids or any(not 0 <= c < num_chapters for c in ids):
     raise ConfigError(f"--ablate_chapters={spec!r}: not a list of {unit} ids in range — {fix}")
   return "ids", ids
+
+
+def _level_chapters(spec, config) -> list[int]:
+  """The chapters owned by the nodes of the levels `level:L[,L...]` names (config.cluster_ranges)."""
+  if not reads_cluster_paths(config):
+    raise ConfigError(f"--ablate_chapters={spec!r}: levels are a cluster tree's; this model has memory.routing="
+                      f"{config.memory.routing!r} — use chapter ids, top:N or routed")
+  levels = config.data.cluster.levels
+  parts = spec[len("level:"):].split(",")
+  if not all(p.strip().isdigit() and int(p) < levels for p in parts):
+    raise ConfigError(f"--ablate_chapters={spec!r}: not a list of levels in [0, {levels}) (data.cluster.levels) — "
+                      f"e.g. level:{levels - 1} for the leaves")
+  ranges, _ = cluster_ranges(config.memory.num_shared, config.data.cluster.k, config.memory.cluster_chapters, False)
+  return sorted({c for p in parts for c in range(*ranges[int(p)])})
 
 
 def ablation_mask(parsed, usage: Usage):

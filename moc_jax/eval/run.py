@@ -6,7 +6,9 @@ A run whose routing is not causal (`sequence`, `segment`: a decision pools token
 is also scored with the same weights routed causally (`CAUSAL_ROUTING`), reported as `causally_routed` beside its
 own CE: the difference is what the routing input saw of the tokens being predicted. A causal run's CE has no
 such leak, so it gets no second figure. A `cluster` run reads by each document's whole path; its second figure
-(`prefix_paths`) reads by each token's path from its document up to it, and its probes by their prompt's path.
+(`prefix_paths`) reads by each token's path from its document up to it, and its probes by their prompt's path; one
+trained with the generic-memory control (data.cluster.generic) is also scored with every document and probe on the
+generic chapters (`generic_paths`), and `--ablate_chapters=level:L` zeroes what the tree's level L owns.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from moc_jax import data as data_lib
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
 from moc_jax.config import memory_layers, reads_cluster_paths, routing_is_causal
+from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
@@ -115,6 +118,9 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
       probes = with_prompt_paths(config, select_probes(all_probes, config.train.num_probes if o.num_probes is None
                                                        else (o.num_probes or len(all_probes)), config.seed), tokenizer)
       report["fact_recall"] = _fact_recall(ProbeEvaluator(graphdef, probes, tokenizer), params, o.bucket_edges)
+    if reads_cluster_paths(config) and config.data.cluster.generic:
+      report["generic_paths"] = _generic_paths(config, o.split, split_eval, params, report, graphdef, probes,
+                                               tokenizer, o.bucket_edges)
     if questions:
       scorer = Scorer(graphdef)
       report["mcq"] = {name: {"format": fmt, "path": path, "shots": o.shots,
@@ -171,6 +177,19 @@ def _prefix_paths(config, split, split_eval, params, report) -> dict:
   against the run's own CE, which reads by each document's whole path."""
   out = split_eval(params, batches=split_batches(config, split, paths="prefix"))
   return {**out, "ce_delta": out["ce"] - report["ce"]}
+
+
+def _generic_paths(config, split, split_eval, params, report, graphdef, probes, tokenizer, edges) -> dict:
+  """The generic-memory control (data.cluster.generic): CE, and recall where there are probes, with every document
+  and probe reading the generic chapters instead of its path's, against the fetched figures (Pouransari et al.'s
+  fetched-vs-generic gap)."""
+  out = split_eval(params, batches=split_batches(config, split, paths="generic"))
+  out["ce_delta"] = out["ce"] - report["ce"]
+  if probes:
+    generic = [{**p, "cluster_path": np.full_like(p["cluster_path"], GENERIC_PATH)} for p in probes]
+    out["fact_recall"] = _fact_recall(ProbeEvaluator(graphdef, generic, tokenizer), params, edges)
+    out["recall_delta"] = out["fact_recall"]["probe_acc"] - report["fact_recall"]["probe_acc"]
+  return out
 
 
 def _fact_recall(evaluator, params, edges) -> dict:
@@ -242,6 +261,14 @@ def markdown_table(report: dict) -> str:
   if prefix:
     lines += [f"| {report['split']} CE, each token's cluster path from its prefix | {prefix['ce']:.4f} |",
               f"| future-token leak of the whole document's path (prefix − own) | {prefix['ce_delta']:+.4f} |"]
+  generic = report.get("generic_paths")
+  if generic:
+    lines += [f"| {report['split']} CE, every document on the generic chapters | {generic['ce']:.4f} |",
+              f"| generic − fetched CE | {generic['ce_delta']:+.4f} |"]
+    if "fact_recall" in generic:
+      g = generic["fact_recall"]
+      lines.append(f"| fact recall on the generic chapters | {_pm(g['probe_acc'], g['probe_acc_stderr'])} "
+                   f"({generic['recall_delta']:+.3f}) |")
   lines += [f"| {report['split']} perplexity | {report['ppl']:.3f} |", f"| tokens | {report['tokens']} |"]
   fr = report.get("fact_recall")
   if fr:

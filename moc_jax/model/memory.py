@@ -154,9 +154,10 @@ class MemoryLayer(nnx.Module):
     self.token_norm_eps = mem.token_norm_eps
     self.sharded_read = mem.sharded_read
     self.router = Router(cfg, rngs) if mem.routing != "cluster" else None
-    # cluster routing's (tree branching, chapters per node of each level, chapters); None for a router
-    self.cluster = ((cfg.data.cluster.k, tuple(mem.cluster_chapters), mem.num_chapters) if mem.routing == "cluster"
-                    else None)
+    # cluster routing's (tree branching, chapters per node of each level, chapters, whether generic ones follow the
+    # tree's); None for a router
+    self.cluster = ((cfg.data.cluster.k, tuple(mem.cluster_chapters), mem.num_chapters, bool(cfg.data.cluster.generic))
+                    if mem.routing == "cluster" else None)
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
@@ -261,8 +262,8 @@ class MemoryLayer(nnx.Module):
     if paths is None:
       raise ValueError("memory.routing=cluster reads the chapters of each document's cluster path: pass cluster_path "
                        "[B, L, levels] (the batch's, with data.cluster.k > 0)")
-    k, per_level, num_chapters = self.cluster
-    chapters = cluster_chapters(paths, self.num_shared, k, per_level)
+    k, per_level, num_chapters, generic = self.cluster
+    chapters = cluster_chapters(paths, self.num_shared, k, per_level, generic)
     routed = chapters.shape[-1] - self.num_shared
     weights = mix_weights(jnp.full(chapters.shape[:-1] + (routed,), 1.0 / routed), self.num_shared, self.scaling)
     routed_ids = chapters[..., self.num_shared:]

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.config import router_factors
-from moc_jax.config.schema import CAUSAL_ROUTINGS
+from moc_jax.config import cluster_ranges, router_factors
+from moc_jax.config.schema import CAUSAL_ROUTINGS, GENERIC_PATH
 from moc_jax.model.layers import dense, rms_normalize
 from moc_jax.model.product_keys import product_top_k
 
@@ -64,19 +64,22 @@ def with_shared(routed_ids, num_shared):
   return jnp.concatenate([jnp.broadcast_to(shared, routed_ids.shape[:-1] + (num_shared,)), routed_ids], -1)
 
 
-def cluster_chapters(paths, num_shared, k, per_level):
+def cluster_chapters(paths, num_shared, k, per_level, generic=False):
   """`memory.routing=cluster`: the chapters each position reads, from its document's path down the cluster tree.
 
-  paths [..., levels] (the node's index within each level, `data.cluster`; negative on padding, read as node 0) ->
-  chapter ids [..., s + Σ r_l]: the shared chapters, then for each level l the r_l = per_level[l] chapters of the
-  path's node there. The routable chapters are laid out level by level, node by node: level l's start after the
-  r_m·k^(m+1) chapters of each level m above it, and node j's are r_l consecutive ones from j·r_l."""
-  ids, start = [], num_shared
-  for level, r in enumerate(per_level):
+  paths [..., levels] (the node's index within each level, `data.cluster`; -1 on padding, read as node 0;
+  GENERIC_PATH for a document on the generic chapters) -> chapter ids [..., s + Σ r_l]: the shared chapters, then for
+  each level l the r_l = per_level[l] chapters of the path's node there (`config.cluster_ranges` lays them out), or
+  with `generic` (data.cluster.generic > 0) the Σ r_l generic chapters where the path is GENERIC_PATH."""
+  ranges, generic_start = cluster_ranges(num_shared, k, per_level, generic)
+  ids = []
+  for level, (r, (start, _)) in enumerate(zip(per_level, ranges)):
     node = jnp.maximum(paths[..., level], 0).astype(jnp.int32)
     ids.append(start + node[..., None] * r + jnp.arange(r, dtype=jnp.int32))
-    start += r * k ** (level + 1)
-  return with_shared(jnp.concatenate(ids, axis=-1), num_shared)
+  ids = jnp.concatenate(ids, axis=-1)
+  if generic:
+    ids = jnp.where(paths[..., :1] == GENERIC_PATH, generic_start + jnp.arange(sum(per_level), dtype=jnp.int32), ids)
+  return with_shared(ids, num_shared)
 
 
 def router_losses(logits, probs, routed_ids, num_shared, load_balance):

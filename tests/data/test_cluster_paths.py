@@ -7,8 +7,9 @@ import os
 import numpy as np
 import pytest
 
+from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.data import make_eval_batches, make_train_iterator
-from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, index_path
+from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, generic_paths, index_path
 from moc_jax.data.cluster_tree import Embedder
 from moc_jax.errors import DataError
 from tests.data.test_pipeline import BYTE
@@ -48,6 +49,55 @@ def test_every_token_carries_its_own_documents_path(data_dir, layout):
       np.testing.assert_array_equal(batch["cluster_path"][row, where], np.repeat(index([text]), len(where), 0))
     assert (batch["cluster_path"][batch["attention_mask"] == 0] == -1).all()
     assert (batch["cluster_path"][batch["attention_mask"] == 1] >= 0).all()
+
+
+def test_generic_documents_read_the_generic_chapters_whole(data_dir):
+  """data.cluster.generic = 0.5: every training document carries either its own path or GENERIC_PATH at every token
+  (padding -1 either way), about half of them the latter; evaluation's `generic` mode puts every document there; a
+  resumed iterator draws the same coins."""
+  c = _config(data_dir, layout="pack_whole")
+  c.cluster.generic = 0.5
+  index = cluster_index(c, BYTE)
+  it = make_train_iterator(c)
+  kinds = []
+  for _ in range(12):
+    batch = next(it)
+    for row, where, text in _documents(batch):
+      path = batch["cluster_path"][row, where]
+      generic = (path == GENERIC_PATH).all()
+      if not generic:
+        np.testing.assert_array_equal(path, np.repeat(index([text]), len(where), 0))
+      kinds.append(generic)
+    assert (batch["cluster_path"][batch["attention_mask"] == 0] == -1).all()
+  n = len(kinds)
+  assert n > 80 and abs(np.mean(kinds) - 0.5) < 4 * (0.25 / n) ** 0.5  # a binomial share within 4 standard errors
+  state = json.loads(json.dumps(it.get_state()))
+  expected = [next(it)["cluster_path"] for _ in range(2)]
+  resumed = make_train_iterator(c)
+  resumed.set_state(state)
+  for a in expected:
+    np.testing.assert_array_equal(a, next(resumed)["cluster_path"])
+  batch = next(make_eval_batches(c, paths="generic"))
+  real = batch["attention_mask"] == 1
+  assert (batch["cluster_path"][real] == GENERIC_PATH).all() and (batch["cluster_path"][~real] == -1).all()
+  assert not (next(make_eval_batches(c))["cluster_path"][real] == GENERIC_PATH).any()  # evaluation never draws
+
+
+def test_generic_coins_follow_the_global_stream():
+  """An element's coin depends on the data seed and its place in the global stream: the same element read by one
+  process (index g) or by process g % 2 of two (index g // 2) draws the same coin; another seed draws others."""
+  element = {"cluster_path": np.zeros((3, 2), np.int32)}
+
+  def generic(index, process_index=0, process_count=1, seed=0):
+    out = generic_paths(index, element, probability=0.3, seed=seed, process_index=process_index,
+                        process_count=process_count)
+    return bool((out["cluster_path"] == GENERIC_PATH).all())
+
+  one = [generic(g) for g in range(400)]
+  two = [generic(g // 2, g % 2, 2) for g in range(400)]
+  assert one == two and abs(np.mean(one) - 0.3) < 4 * (0.21 / 400) ** 0.5
+  assert one != [generic(g, seed=1) for g in range(400)]
+  assert generic_paths(0, None, probability=0.3, seed=0, process_index=0, process_count=1) is None
 
 
 def test_pack_splits_a_path_with_its_document(data_dir):

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 import moc_jax
-from moc_jax.config import chapters_read
-from moc_jax.errors import ConfigError
+from moc_jax.config import chapters_read, cluster_ranges
+from moc_jax.config.schema import GENERIC_PATH
+from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval.routing import zero_chapters
 from moc_jax.model.build import count_params
 from moc_jax.model.routing import cluster_chapters
@@ -34,6 +35,20 @@ def test_chapter_ids_of_a_path_by_hand():
   no_shared = np.asarray(cluster_chapters(jnp.array([[2, 0, 63]]), 0, 4, (1, 0, 3)))
   assert no_shared.tolist() == [[2, 193, 194, 195]]
   assert chapters_read(_config()) == 4
+
+
+def test_generic_chapters_by_hand():
+  """With data.cluster.generic the bank holds, after the tree's 24 routable chapters, 3 generic ones (25, 26, 27):
+  a GENERIC_PATH reads them instead of a path's, padding still reads node 0."""
+  paths = jnp.array([[1, 5], [GENERIC_PATH, GENERIC_PATH], [-1, -1]])
+  ids = np.asarray(cluster_chapters(paths, 1, 4, (2, 1), generic=True))
+  assert ids.tolist() == [[0, 3, 4, 14], [0, 25, 26, 27], [0, 1, 2, 9]]
+  assert cluster_ranges(1, 4, (2, 1), True) == ([(1, 9), (9, 25)], 25)
+  assert cluster_ranges(0, 4, (1, 0, 3), False) == ([(0, 4), (4, 4), (4, 196)], None)
+  config = _config(**{"data.cluster.generic": 0.2, "memory.num_chapters": 28, "memory.num_tokens": 448})
+  assert chapters_read(config) == 4
+  with pytest.raises(ConfigError, match="config.memory.num_chapters: .*3 generic ones.*set num_chapters=28"):
+    _config(**{"data.cluster.generic": 0.2})
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +126,9 @@ def test_a_call_without_paths_is_refused(model):
     ({"memory.cluster_chapters": (0, 0)}, "memory.cluster_chapters"),
     ({"memory.num_chapters": 26, "memory.num_tokens": 416}, "memory.num_chapters"),
     ({"memory.routing_pool": "attention"}, "memory.routing_pool"),
-    ({"memory.load_balance": "aux_free"}, "memory.load_balance")])
+    ({"memory.load_balance": "aux_free"}, "memory.load_balance"),
+    ({"data.cluster.generic": 1.0}, "data.cluster.generic"),
+    ({"data.cluster.generic": -0.1}, "data.cluster.generic")])
 def test_config_errors_name_the_field(overrides, field):
-  with pytest.raises(ConfigError, match=f"config.{field}:"):
+  with pytest.raises((ConfigError, DataError), match=f"config.{field}:"):
     _config(**overrides)

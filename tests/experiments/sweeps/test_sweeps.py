@@ -117,6 +117,20 @@ def test_routing_sweep_arms():
   assert sum(p.config.memory.routing_pool == "attention" for p in points) == 3
 
 
+def test_cluster_sweep_arms():
+  """The learned router, cluster routing over the same routable chapters (tiny: 4·4 + 3·16 = 64), the same with the
+  generic control (1/(k+1), 7 more chapters of 16 tokens) and the iso-FLOP dense model, 3 seeds each."""
+  points = plan("configs/moc.py:tiny", "cluster")
+  assert len(points) == 4 * 3 and len({p.name for p in points}) == 12
+  seed0 = [p.config for p in points if p.config.seed == 0]
+  learned, cluster, generic, dense = seed0
+  assert learned.memory.routing == "prefix" and not dense.memory.enabled
+  for c in (cluster, generic):
+    assert (c.memory.routing, c.data.cluster.k, tuple(c.memory.cluster_chapters)) == ("cluster", 4, (4, 3))
+  assert cluster.memory.num_chapters == 65 and cluster.data.cluster.generic == 0
+  assert (generic.memory.num_chapters, generic.memory.num_tokens, generic.data.cluster.generic) == (72, 1152, 0.2)
+
+
 @pytest.mark.parametrize("model", ["tiny", "small", "262k"])
 def test_iso_flop_vanilla_is_the_closest_width(model):
   """Each MoC point's vanilla is in the sweep at the multiple of 16 whose FLOPs/token are nearest the MoC point's,
