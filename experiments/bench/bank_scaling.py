@@ -26,7 +26,8 @@ reads the same rows per token. What grows with the table is its gradient and upd
 alone) and, by design, the product keys' scoring of 2n sub-keys per query head, O(sqrt(N) d_q) FLOPs that the
 estimator counts (`flops_growth`; `step_growth_over_flops` is the growth the FLOPs do not explain). On a backbone
 as narrow as tiny's the scoring outweighs the rest of the step at 4M slots; on the paper's it is a few percent
-(`--config=configs/moc.py:262k,runlocal`). `--routers` does not apply.
+(`--config=configs/moc.py:262k,runlocal --set memory.pkm_value_dim=64`: 64-wide values fit the 4M table and its
+moments in 3 GB; docs/results/2026-11-27-pkm-search-once.md). `--routers` does not apply.
 
 `python -m experiments.bench.bank_scaling [--config=configs/moc.py:tiny] [--kind=chapters|pkm|hml] [--sizes 4096,...]
 [--optimizers dense,lazy_adam] [--routers linear,product]`
