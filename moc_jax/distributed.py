@@ -91,3 +91,14 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, en
   log.warning("moc_jax: process %d of %d; %d local / %d global devices", jax.process_index(),
               jax.process_count(), jax.local_device_count(), jax.device_count())
   return True
+
+
+def workdir_note(workdir: str, process_count: int) -> str | None:
+  """A warning for a multi-process run whose workdir is a path on each host's own disk (no URL scheme such as
+  gs://): every process writes its shards of each checkpoint to the workdir, so the hosts must see one directory
+  (a bucket or a shared file system), which a local path may not be. None when it need not be said."""
+  if process_count <= 1 or "://" in workdir:
+    return None
+  return (f"moc_jax: {process_count} processes write their checkpoint shards to {workdir!r}: every host must see "
+          "that same directory (gs://BUCKET/... or a shared file system), or no host can restore them")
+

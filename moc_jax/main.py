@@ -44,6 +44,8 @@ def main(argv):
     raise UsageError("--config=PATH.py:ARG and --workdir=DIR are both required")
   cli.quiet_libraries()
   cli.quiet_datasets()
+  import jax
+
   from moc_jax import distributed
   from moc_jax.config import validate
   cli.use_fake_devices(FLAGS.config.num_fake_devices)  # both before the first use of a JAX backend
@@ -52,6 +54,9 @@ def main(argv):
   except ValueError as e:  # a malformed address / process id: named by the message
     raise ConfigError(str(e)) from e
   validate(FLAGS.config)
+  note = FLAGS.workdir and distributed.workdir_note(FLAGS.workdir, jax.process_count())
+  if note:
+    distributed.log.warning(note)
   if FLAGS.mode == "train":
     train(FLAGS.config, FLAGS.workdir)
   elif FLAGS.mode == "eval":  # the same evaluation as `python -m moc_jax.eval`, under this --config

@@ -206,3 +206,12 @@ def test_inconsistent_values_name_the_flag(init_calls, monkeypatch, kwargs, env,
   with pytest.raises(ValueError, match=match):
     distributed.initialize(**kwargs)
   assert init_calls == ([], [])
+
+
+def test_a_local_workdir_of_a_multi_process_run_is_named():
+  """Each process writes its checkpoint shards to the workdir: with several, a path without a URL scheme may be
+  each host's own disk, and the log says what the hosts need; a bucket or a single process says nothing."""
+  note = distributed.workdir_note("runs/262k", 8)
+  assert "8 processes" in note and "'runs/262k'" in note and "gs://" in note
+  assert distributed.workdir_note("gs://bucket/runs/262k", 8) is None
+  assert distributed.workdir_note("runs/262k", 1) is None

@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -136,8 +137,17 @@ def test_tpu_setup_clones_the_ref_on_all_workers():
   assert "--worker=all" in setup
   remote = option(setup, "--command")
   assert "git clone https://example.com/moc.git code" in remote
-  assert "git fetch origin v1.2" in remote and "cd code" in remote and "make venv" in remote
-  assert "jax[tpu]" in remote
+  assert "git fetch origin v1.2" in remote and "cd code" in remote and remote.endswith("make venv")
+  # make venv installs the libtpu the lock pins beside jax (on Linux x86-64, as the TPU VMs are)
+  lock = (ROOT / "requirements.lock").read_text()
+  assert 'libtpu==' in lock and 'platform_machine == "x86_64"' in lock.split("libtpu==")[1].splitlines()[0]
+
+
+def _main_args(remote):
+  """The arguments after `moc_jax.main` in a run's remote command, up to its redirection."""
+  rest = shlex.split(remote)
+  rest = rest[rest.index("moc_jax.main") + 1:]
+  return rest[:next(i for i, w in enumerate(rest) if w in ("2>&1", ">"))]
 
 
 def test_tpu_run_passes_main_args_through_quoted(tmp_path, fake_python):
@@ -145,19 +155,48 @@ def test_tpu_run_passes_main_args_through_quoted(tmp_path, fake_python):
   assert run[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "moc"]
   assert "--worker=all" in run and option(run, "--zone") == "us-east5-a"
   remote = option(run, "--command")
-  assert shlex.split(remote) == ["cd", str(tmp_path), "&&", ".venv/bin/python", "-m", "moc_jax.main",
-                                 "--distributed", *TRICKY]
-  # What the workers' shell does with it: run it against a fake .venv/bin/python.
+  assert shlex.split(remote)[:8] == ["cd", str(tmp_path), "&&", "mkdir", "-p", "logs", "&&", "set"]
+  assert _main_args(remote) == ["--distributed", *TRICKY]
+  # What the workers' shell does with it: run it against a fake .venv/bin/python. Its output reaches the
+  # terminal and the worker's log, named by the workdir and the host.
   (tmp_path / ".venv/bin").mkdir(parents=True)
   os.symlink(fake_python, tmp_path / ".venv/bin/python")
   r = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, env=_env(), check=True)
   assert json.loads(r.stdout)["argv"] == ["-m", "moc_jax.main", "--distributed", *TRICKY]
+  host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
+  assert (tmp_path / "logs" / f"my run.{host}.log").read_text() == r.stdout
+
+
+def test_tpu_run_detached_outlives_the_session(tmp_path, fake_python):
+  """--detach starts every worker's run in a session of its own, output to its log only, and returns."""
+  [run] = commands(ok(TPU, "run", *TPU_OPTS, "--dir", str(tmp_path), "--detach", "--dry-run", "--", *TRICKY))
+  remote = option(run, "--command")
+  assert "nohup setsid .venv/bin/python" in remote and _main_args(remote) == ["--distributed", *TRICKY]
+  (tmp_path / ".venv/bin").mkdir(parents=True)
+  os.symlink(fake_python, tmp_path / ".venv/bin/python")
+  r = subprocess.run(["bash", "-c", remote], capture_output=True, text=True, env=_env(), check=True)
+  host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
+  assert r.stdout.strip() == f"{host}: started"
+  log = tmp_path / "logs" / f"my run.{host}.log"
+  for _ in range(100):  # the background run writes it shortly
+    if log.exists() and log.read_text():
+      break
+    time.sleep(0.05)
+  assert json.loads(log.read_text())["argv"] == ["-m", "moc_jax.main", "--distributed", *TRICKY]
+  r = sh(TPU, "logs", *TPU_OPTS, "--detach", "--workdir", "w", "--dry-run")
+  assert r.returncode == 2 and "only run takes --detach" in r.stderr
+
+
+def test_tpu_stop_signals_every_workers_run():
+  [stop] = commands(ok(TPU, "stop", *TPU_OPTS, "--dry-run"))
+  assert stop[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "moc"] and "--worker=all" in stop
+  assert option(stop, "--command").startswith("pkill -TERM -f 'python -m moc_jax.main'")
 
 
 def test_tpu_run_adds_workdir_only_when_missing():
   def main_args(*args):
     [run] = commands(ok(TPU, "run", *TPU_OPTS, "--workdir", "runs/a", "--dry-run", "--", *args))
-    return shlex.split(option(run, "--command"))[7:]
+    return _main_args(option(run, "--command"))[1:]
 
   assert main_args("--config=c") == ["--config=c", "--workdir=runs/a"]
   assert main_args("--config=c", "--workdir=runs/b") == ["--config=c", "--workdir=runs/b"]
@@ -171,6 +210,7 @@ def test_tpu_logs_copies_from_worker_0():
   assert "--worker=0" in scp and "--recurse" in scp and option(scp, "--zone") == "us-east5-a"
   sources = [w for w in scp if w.startswith("moc:")]
   assert "moc:moc_jax/runs/262k/metrics.jsonl" in sources and "moc:moc_jax/runs/262k/config.json" in sources
+  assert "moc:moc_jax/logs/262k.*.log" in sources  # worker 0's log of the run
   assert not any("checkpoints" in s for s in sources)
   assert scp[scp.index(sources[-1]) + 1] == "out/262k/"
   # An absolute workdir is used as it is.
@@ -180,7 +220,7 @@ def test_tpu_logs_copies_from_worker_0():
 
 @pytest.mark.parametrize("cmd,args", [
     ("create", []), ("setup", ["--repo", "u"]), ("run", ["--", *TRICKY]), ("logs", ["--workdir", "w"]),
-    ("delete", []),
+    ("stop", []), ("delete", []),
 ])
 def test_tpu_runs_what_dry_run_prints(tmp_path, cmd, args):
   """Without --dry-run the script calls gcloud (here a fake that records its argv) with exactly the printed words."""

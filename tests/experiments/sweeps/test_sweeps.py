@@ -204,7 +204,10 @@ def test_tpu_pod_dry_run_goes_through_tpu_pod_sh(capsys, tmp_path):
   printed = _script_dry_run(run[0], [run[1], "--dry-run", *run[2:]])
   remote = printed[0][printed[0].index("--command") + 1]
   assert "--worker=all" in printed[0]
-  assert shlex.split(remote)[3:] == [".venv/bin/python", "-m", "moc_jax.main", "--distributed", *main_args]
+  words = shlex.split(remote)
+  start = words.index(".venv/bin/python")
+  assert words[start:start + 4 + len(main_args)] == [".venv/bin/python", "-m", "moc_jax.main", "--distributed",
+                                                      *main_args] and words[start + 4 + len(main_args)] == "2>&1"
   # logs copies the run's files into its local workdir.
   assert logs[:2] == ["launch/tpu_pod.sh", "logs"]
   mkdir, scp = _script_dry_run(logs[0], [logs[1], "--dry-run", *logs[2:]])
