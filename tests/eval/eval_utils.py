@@ -1,12 +1,13 @@
 """One tiny model on one device with its split evaluator and usage counts over two fixed batches: what the routing
-analysis tests of every memory kind evaluate."""
+analysis tests of every memory kind evaluate; and a saved run for `python -m moc_jax.eval` to restore."""
 import jax
 import numpy as np
 from flax import nnx
 
 import moc_jax
-from moc_jax import sharding
+from moc_jax import causality, sharding
 from moc_jax import state as state_lib
+from moc_jax.checkpoint import Checkpointer
 from moc_jax.eval import routing as ra
 from moc_jax.eval.ce import CEEvaluator
 
@@ -47,3 +48,21 @@ class EvalSetup:
   def ce(self, params):
     with sharding.activate(self.mesh, sharding.rules_of(self.config)):
       return self.evaluator(params)["ce"]
+
+
+def save_run(config, workdir, step=2):
+  """`config`'s initial state, its zero-initialised weights re-drawn (so the memory reaches the loss), saved in
+  `workdir` at `step` with its config.json, as training leaves them -> (layout, the saved parameters)."""
+  mesh = sharding.make_mesh(config)
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    layout = state_lib.build_state(config, mesh)
+    state = layout.init()
+    model = nnx.merge(layout.graphdef, state["params"])
+    causality._redraw_zeros(model, seed=1)
+    state["params"] = jax.device_put(nnx.state(model, nnx.Param), layout.shardings["params"])
+    checkpointer = Checkpointer(str(workdir / "checkpoints"), padding=layout.padding)
+    checkpointer.save(step, state)
+    checkpointer.close()
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+  return layout, state["params"]
+

@@ -2,19 +2,16 @@
 generic figures (every document and probe on the generic chapters) and the level-wise knock-out
 (`--ablate_chapters=level:L`), checked against what each must depend on — the generic CE on the generic chapters
 alone, the fetched CE not at all on them, a level's knock-out on exactly the chapters its nodes own."""
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 import moc_jax
-from moc_jax import causality, sharding
-from moc_jax import state as state_lib
-from moc_jax.checkpoint import Checkpointer
+from moc_jax import sharding
 from moc_jax.errors import ConfigError
 from moc_jax.eval.ce import CEEvaluator, split_batches
 from moc_jax.eval.routing import parse_ablation, zero_chapters
 from moc_jax.eval.run import EvalOptions, evaluate, markdown_table
+from tests.eval.eval_utils import save_run
 from tests.train import train_utils as tu
 
 # k = 4, two levels: 1 shared, level 0 owns 4 x 2 (chapters 1-8), level 1 16 x 1 (9-24), the generic ones 25-27
@@ -28,18 +25,8 @@ def run(tmp_path_factory):
   """A saved cluster run at step 2, its zero-initialised weights re-drawn so every chapter reaches the loss."""
   data_dir, workdir = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("run")
   config = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(data_dir, **CLUSTER))
-  mesh = sharding.make_mesh(config)
-  with sharding.activate(mesh, sharding.rules_of(config)):
-    layout = state_lib.build_state(config, mesh)
-    state = layout.init()
-    model = nnx.merge(layout.graphdef, state["params"])
-    causality._redraw_zeros(model, seed=1)
-    state["params"] = jax.device_put(nnx.state(model, nnx.Param), layout.shardings["params"])
-    checkpointer = Checkpointer(str(workdir / "checkpoints"), padding=layout.padding)
-    checkpointer.save(2, state)
-    checkpointer.close()
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))
-  return config, str(workdir), layout, state["params"]
+  layout, params = save_run(config, workdir)
+  return config, str(workdir), layout, params
 
 
 def _ce(config, layout, params, paths):

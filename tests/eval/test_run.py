@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import moc_jax
-from moc_jax import causality, sharding
-from moc_jax.checkpoint import Checkpointer, CheckpointError
+from moc_jax import sharding
+from moc_jax.checkpoint import CheckpointError
 from moc_jax.errors import ConfigError
 from moc_jax.data import get_tokenizer, make_eval_batches
 from moc_jax.errors import DataError
@@ -24,6 +24,7 @@ from moc_jax.state import restore_params
 from moc_jax.eval.scoring import Scorer, make_rows
 from moc_jax import state as state_lib
 from moc_jax.eval.validation import ValidationEvaluator
+from tests.eval.eval_utils import save_run
 from tests.train import train_utils as tu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,19 +41,11 @@ def run(tmp_path_factory):
   reaches the loss) and the training loop's own evaluation of it: config, workdir, data dir, metrics."""
   data_dir, workdir = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("run")
   config = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(data_dir, **EXTRA))
+  layout, params = save_run(config, workdir)
   mesh = sharding.make_mesh(config)
   with sharding.activate(mesh, sharding.rules_of(config)):
-    layout = state_lib.build_state(config, mesh)
-    state = layout.init()
-    model = nnx.merge(layout.graphdef, state["params"])
-    causality._redraw_zeros(model, seed=1)
-    state["params"] = jax.device_put(nnx.state(model, nnx.Param), layout.shardings["params"])
-    checkpointer = Checkpointer(str(workdir / "checkpoints"), padding=layout.padding)
-    checkpointer.save(2, state)
-    checkpointer.close()
     metrics = ValidationEvaluator(config, layout.graphdef, layout.shardings["params"],
-                             sharding.data_sharding(config, mesh))(state["params"])
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True))  # as training does
+                                  sharding.data_sharding(config, mesh))(params)
   return config, str(workdir), str(data_dir), metrics
 
 
