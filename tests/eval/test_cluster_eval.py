@@ -17,7 +17,7 @@ from tests.train import train_utils as tu
 # k = 4, two levels: 1 shared, level 0 owns 4 x 2 (chapters 1-8), level 1 16 x 1 (9-24), the generic ones 25-27
 CLUSTER = {"memory.routing": "cluster", "data.cluster.k": 4, "data.cluster.levels": 2, "data.cluster.generic": 0.2,
            "memory.cluster_chapters": (2, 1), "memory.num_chapters": 28, "memory.num_tokens": 448,
-           "train.num_probes": 64}
+           "train.num_probes": 16}
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,11 @@ def _ce(config, layout, params, paths):
                        split_batches(config, "validation", paths=paths))(params)["ce"]
 
 
+@pytest.mark.slow  # ~35 s on 2 cores: three evaluations and their probes, compiled
 def test_generic_figures_read_the_generic_chapters_alone(run, tmp_path):
   config, workdir, layout, params = run
-  report = evaluate(config, workdir, EvalOptions(ablate_chapters="level:1", out=str(tmp_path / "eval.json")))
+  report = evaluate(config, workdir, EvalOptions(ablate_chapters="level:1", analyze_routing=False,
+                                                 out=str(tmp_path / "eval.json")))
   generic = report["generic_paths"]
   assert generic["ce"] == pytest.approx(_ce(config, layout, params, "generic"), rel=1e-6)
   assert generic["ce_delta"] == pytest.approx(generic["ce"] - report["ce"], abs=1e-7) and generic["ce_delta"] != 0

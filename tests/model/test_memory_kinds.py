@@ -215,10 +215,10 @@ def test_remat_keeps_the_search(kind):
   grads = {}
   for remat in ("none", "full", "dots"):
     loss, state = loss_of(remat)
-    f, g = jax.jit(loss), jax.jit(jax.grad(loss))
-    searches = [f.lower(state).compile().as_text().count('custom_call_target="TopK"'),
-                g.lower(state).compile().as_text().count('custom_call_target="TopK"')]
-    assert searches == [4, 4], (remat, searches)  # two memory layers x two halves
+    g = jax.jit(jax.grad(loss)).lower(state).compile()
+    if remat == "none":  # the forward's searches: two memory layers x two halves
+      assert jax.jit(loss).lower(state).compile().as_text().count('custom_call_target="TopK"') == 4
+    assert g.as_text().count('custom_call_target="TopK"') == 4, remat
     grads[remat] = g(state)
   for remat in ("full", "dots"):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
