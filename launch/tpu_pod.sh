@@ -12,7 +12,7 @@ Usage: launch/tpu_pod.sh create|setup|run|stop|logs|delete [options] [-- MAIN_AR
            libtpu requirements.lock pins for the jax it pins)
   run      on every worker, the same command: cd DIR && .venv/bin/python -m moc_jax.main --distributed
            MAIN_ARGS (jax.distributed finds the slice's other workers itself), each worker's output also
-           in DIR/logs/<run>.<worker's hostname>.log; with --detach in the background, so the run
+           appended to DIR/logs/<run>.<worker's hostname>.log; with --detach in the background, so the run
            outlives the ssh session (follow it with `logs`, end it with `stop`)
   stop     on every worker: SIGTERM to moc_jax.main, which saves a checkpoint at a step every worker
            agrees on (JAX's preemption sync) and exits; a TPU serves one process at a time
@@ -129,9 +129,9 @@ case $CMD in
     main=".venv/bin/python -m moc_jax.main --distributed$(printf ' %q' "${args[@]}")"
     log="logs/$(printf %q "$(run_name "${args[@]}")").\$(hostname).log"
     if ((DETACH)); then  # a session of its own: the run survives the ssh connection that started it
-      main="nohup setsid $main > $log 2>&1 < /dev/null & echo \"\$(hostname): started\""
-    else
-      main="set -o pipefail && $main 2>&1 | tee $log"
+      main="nohup setsid $main >> $log 2>&1 < /dev/null & echo \"\$(hostname): started\""
+    else  # appended: a resumed run keeps the log of its earlier parts
+      main="set -o pipefail && $main 2>&1 | tee -a $log"
     fi
     remote="cd $(printf %q "$DIR") && mkdir -p logs && $main"
     run "${TPU[@]}" ssh "$NAME" "${GCLOUD_OPTS[@]}" --worker=all --command "$remote" ;;

@@ -147,7 +147,7 @@ def _main_args(remote):
   """The arguments after `moc_jax.main` in a run's remote command, up to its redirection."""
   rest = shlex.split(remote)
   rest = rest[rest.index("moc_jax.main") + 1:]
-  return rest[:next(i for i, w in enumerate(rest) if w in ("2>&1", ">"))]
+  return rest[:next(i for i, w in enumerate(rest) if w in ("2>&1", ">>"))]
 
 
 def test_tpu_run_passes_main_args_through_quoted(tmp_path, fake_python):
@@ -165,6 +165,9 @@ def test_tpu_run_passes_main_args_through_quoted(tmp_path, fake_python):
   assert json.loads(r.stdout)["argv"] == ["-m", "moc_jax.main", "--distributed", *TRICKY]
   host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
   assert (tmp_path / "logs" / f"my run.{host}.log").read_text() == r.stdout
+  # a second run of the same workdir (a resume) adds to its log, never replaces it
+  subprocess.run(["bash", "-c", remote], capture_output=True, text=True, env=_env(), check=True)
+  assert (tmp_path / "logs" / f"my run.{host}.log").read_text() == 2 * r.stdout
 
 
 def test_tpu_run_detached_outlives_the_session(tmp_path, fake_python):
