@@ -244,8 +244,9 @@ def _retention_finetune(c):
 
 def _kinds(c):
   """Every memory.kind at the config's sizes and the backbone without memory, once per seed: which memory the
-  same placement, trainer and budget reward (docs/model.md#memory-kinds)."""
-  return _seeds([*({"memory.kind": kind} for kind in schema.MEMORY_KINDS), NO_MEMORY])
+  same placement, trainer and budget reward (docs/model.md#memory-kinds). FFN memory is fetched by cluster paths:
+  the `cluster` sweep runs it."""
+  return _seeds([*({"memory.kind": kind} for kind in schema.MEMORY_KINDS if kind != "ffn"), NO_MEMORY])
 
 
 CLUSTER_K = 4  # the `cluster` sweep's tree: 4-ary, data.cluster.levels (2) deep
@@ -263,17 +264,30 @@ def _cluster_arm(c) -> dict:
   return {"memory.routing": "cluster", "data.cluster.k": CLUSTER_K, "memory.cluster_chapters": per_level}
 
 
+def _ffn_arm(c) -> dict:
+  """FFN memory (memory.kind=ffn) on the `cluster` arm's tree, with as many parameters as the config's chapter bank
+  fit in columns of 3·d, split evenly between the levels, no shared column (the backbone's MLP is the shared part):
+  tiny 346 columns' worth, 43 per level-0 node and 10 per leaf, 332 in all, 53 fetched per token."""
+  levels, k = c.data.cluster.levels, CLUSTER_K
+  columns = c.memory.num_tokens * (c.memory.dim or c.model.d_model) // (3 * c.model.d_model)
+  per_level = tuple(columns // (levels * k ** (level + 1)) for level in range(levels))
+  return {"memory.kind": "ffn", "memory.routing": "cluster", "data.cluster.k": k, "memory.num_shared": 0,
+          "memory.cluster_chapters": per_level,
+          "memory.num_chapters": sum(r * k ** (level + 1) for level, r in enumerate(per_level))}
+
+
 def _cluster(c):
   """Memory fetched by the document's path against the learned router (the config's), with the generic-memory
-  control (data.cluster.generic = 1/(k+1), the paper's co-training: Σ r_l more chapters), and the iso-FLOP dense
-  model, once per seed (docs/routing.md#cluster-routing-memorycluster_chapters)."""
+  control (data.cluster.generic = 1/(k+1), the paper's co-training: Σ r_l more chapters), FFN memory on the same
+  tree (`_ffn_arm`), and the iso-FLOP dense model, once per seed (docs/routing.md#cluster-routing-
+  memorycluster_chapters)."""
   arm = _cluster_arm(c)
   generic = sum(arm["memory.cluster_chapters"])
   per_chapter = c.memory.num_tokens // c.memory.num_chapters
   return _seeds([{}, arm, {**arm, "data.cluster.generic": round(1 / (CLUSTER_K + 1), 6),
                            "memory.num_chapters": c.memory.num_chapters + generic,
                            "memory.num_tokens": (c.memory.num_chapters + generic) * per_chapter},
-                 {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
+                 _ffn_arm(c), {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
 
 
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,

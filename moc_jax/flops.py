@@ -17,7 +17,8 @@ Rules its counting (docs/mocpt_semantics.md#flops-counting-rules) leaves open, f
   13,086,228,480, the value the published memory-attention total 25,674,645,504 implies (the sub-part as published
   prints, 13,086,351,360, is 122,880 off and does not add up to that total).
 
-The product-key kinds (memory.kind pkm, hml) are not MoC-PT's and are counted by the same per-element rules
+FFN memory (memory.kind=ffn) counts its fetched columns as MLP columns (`_ffn_extra`). The product-key kinds
+(memory.kind pkm, hml) are not MoC-PT's and are counted by the same per-element rules
 (`_pkm_extra`, `_hml_extra`): a query's half scores its n sub-keys (a matmul), the top-k search counts as the
 product router's, the k chosen slots' scores are computed again from their sub-keys (2*k*dim), and reading k
 value rows of width d_v costs 2*k*d_v per query head. Unlike the rest, the search (the `search` nodes: scores,
@@ -314,15 +315,26 @@ def _hml_extra(c, b, l):
           "residual": per_element(t, d)}
 
 
-_MEMORY_EXTRA = {"chapters": _memory_extra, "pkm": _pkm_extra, "hml": _hml_extra}
+def _ffn_extra(c, b, l):
+  """What FFN memory adds to a standard layer (model/ffn_memory.py; our count): every token's fetched columns (the
+  shared ones and its path's) widen the MLP: their gate and up products with the MLP's normed input, the SwiGLU
+  of each, the down product, and the add into the MLP's output."""
+  t, d = b * l, c.model.d_model
+  return {"columns": _mlp(t, d, chapters_read(c)), "residual": per_element(t, d)}
+
+
+_MEMORY_EXTRA = {"chapters": _memory_extra, "pkm": _pkm_extra, "hml": _hml_extra, "ffn": _ffn_extra}
 
 
 def rows_read(c, l) -> int:
   """Rows of the bank one sequence of `l` tokens reads per memory layer: its shared and routed chapters' tokens
-  (sequence routing, MoC-PT's "selected memory tokens"), or every token's heads x k value slots."""
+  (sequence routing, MoC-PT's "selected memory tokens"), every token's fetched FFN columns, or every token's
+  heads x k value slots."""
   mem = c.memory
   if mem.kind == "chapters":
     return selected_tokens(c)
+  if mem.kind == "ffn":
+    return l * chapters_read(c)
   return l * (mem.pkm_heads if mem.kind == "pkm" else c.model.num_heads) * mem.pkm_top_k
 
 
@@ -439,7 +451,8 @@ def _table(e, config, per_token) -> str:
            (0, "train / micro-step", t["micro_step"]),
            (0, f"train / step (x{t['accum']} accum, x{t['world_size']} devices)", t["step"]),
            (0, f"train / run (x{t['steps']} steps)", t["run"])]
-  read = "memory tokens" if config.memory.kind == "chapters" else f"{config.memory.kind} value rows"
+  read = {"chapters": "memory tokens", "ffn": "FFN memory columns"}.get(config.memory.kind,
+                                                                       f"{config.memory.kind} value rows")
   lines = [f"{config.name}: batch {e['batch']} x {e['seq_len']} tokens; {lay['banks']} bank(s); "
            f"{e['selected_memory_tokens']:,} {read} read per sequence"]
   lines += [f"{'  ' * d + n:<48}{v:>28,}" for d, n, v in rows]

@@ -7,21 +7,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from moc_jax.config.schema import CAUSAL_ROUTINGS
+from moc_jax.config.schema import CAUSAL_ROUTINGS, CHAPTER_KINDS
 
 
 def routing_is_causal(c) -> bool:
   """Whether each position's output depends only on tokens at or before it (the backbone always is;
   `sequence` routing pools the whole row, the other modes pool the past; product keys look up each token's
   own query)."""
-  return not (c.memory.enabled and memory_layers(c) and c.memory.kind == "chapters"
-              and c.memory.routing not in CAUSAL_ROUTINGS)
+  return not (reads_chapters(c) and c.memory.routing not in CAUSAL_ROUTINGS)
+
+
+def reads_chapters(c) -> bool:
+  """Whether the model has memory whose bank rows are chapters named by chapter ids (memory.kind chapters, or ffn:
+  a column a chapter), which memory.routing chooses."""
+  return bool(c.memory.enabled and memory_layers(c) and c.memory.kind in CHAPTER_KINDS)
 
 
 def reads_cluster_paths(c) -> bool:
   """Whether the model reads its chapters by the batch's cluster paths (`memory.routing=cluster`): every input it
   is given then needs each token's path (data/cluster_paths.py)."""
-  return bool(c.memory.enabled and memory_layers(c) and c.memory.kind == "chapters" and c.memory.routing == "cluster")
+  return reads_chapters(c) and c.memory.routing == "cluster"
 
 
 def cluster_ranges(num_shared: int, k: int, per_level, generic: bool) -> tuple[list[tuple[int, int]], int | None]:
@@ -46,7 +51,7 @@ def routing_statement(c) -> str:
   """One line for the training log: the routing mode and whether the run is causal."""
   if not (c.memory.enabled and memory_layers(c)):
     return "no memory layers: causal"
-  if c.memory.kind != "chapters":
+  if not reads_chapters(c):
     return f"memory.kind={c.memory.kind}: causal (each token looks up its own slots)"
   if routing_is_causal(c):
     return f"memory.routing={c.memory.routing}: causal (no position reads chapters chosen from later tokens)"
@@ -109,7 +114,8 @@ class BankShape:
   kind: `tables` tables (memory.sharing) of `rows` rows each, along the logical axis `row_axis`; `always_read`
   rows (the first ones) are part of every read.
 
-  chapters: the chapter bank [tables, C, T, d], a row a chapter, the shared chapters always read. pkm / hml: the
+  chapters: the chapter bank [tables, C, T, d], a row a chapter, the shared chapters always read (ffn: the columns
+  [tables, C, 3, d], a row a column, the shared columns always read). pkm / hml: the
   value table [tables, N, d_v] of N = pkm_sub_keys**2 slots, a row a slot, none always read."""
   tables: int
   rows: int
@@ -119,7 +125,7 @@ class BankShape:
 
 def bank_shape(c) -> BankShape:
   mem, tables = c.memory, max(bank_ids(c), default=0) + 1
-  if mem.kind == "chapters":
+  if mem.kind in CHAPTER_KINDS:
     return BankShape(tables, mem.num_chapters, "chapters", mem.num_shared)
   return BankShape(tables, mem.pkm_sub_keys ** 2, "slots", 0)
 

@@ -15,7 +15,8 @@ DEFAULT_DATA_DIR = "~/.cache/moc_jax/data"
 DATA_DIR_ENV = "MOC_JAX_DATA_DIR"
 
 # The values an enumerated field accepts (config/validate.py rejects anything else).
-MEMORY_KINDS = ("chapters", "pkm", "hml")
+MEMORY_KINDS = ("chapters", "pkm", "hml", "ffn")
+CHAPTER_KINDS = ("chapters", "ffn")  # kinds whose bank rows are chapters, named by chapter ids (ffn: a column each)
 QUERY_NORMS = ("none", "layernorm")
 PLACEMENTS = ("all", "first_k", "last_k", "every_n", "spread", "custom", "none")
 SHARINGS = ("shared", "per_layer", "every_k_layers")

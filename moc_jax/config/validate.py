@@ -109,8 +109,28 @@ def _validate_memory(c):
           "set memory.enabled=False for a vanilla model, or place at least one memory layer")
   if mem.kind == "chapters":
     _validate_chapters(c)
+  elif mem.kind == "ffn":
+    _validate_ffn(c)
   else:
     _validate_slots(c)
+
+
+def _validate_ffn(c):
+  """ffn: SwiGLU columns fetched by the document's cluster path (model/ffn_memory.py), a column a chapter: cluster
+  routing's fields; no router and no memory attention, so nothing that shapes those applies."""
+  mem = c.memory
+  if mem.routing != "cluster":
+    _fail("memory.routing", f"{mem.routing!r} with memory.kind='ffn': FFN memory columns are fetched by the "
+          "document's path down the cluster tree", "set memory.routing='cluster' (with data.cluster.k and levels)")
+  if mem.block_variant != "A":
+    _fail("memory.block_variant", f"{mem.block_variant!r} with memory.kind='ffn': the columns widen the block's one "
+          "MLP", "leave memory.block_variant='A'")
+  for f in ("num_chapters", "init_std"):
+    _positive(c, f"memory.{f}")
+  _positive(c, "memory.num_shared", allow_zero=True)
+  _enum(c, "memory.routing_pool", ROUTING_POOLS)
+  _enum(c, "memory.load_balance", LOAD_BALANCES)
+  _validate_cluster(c)
 
 
 def _validate_slots(c):
@@ -200,8 +220,8 @@ def _validate_cluster(c):
     also = f" and {generic} generic ones (data.cluster.generic={cluster.generic})" if generic else ""
     _fail("memory.num_chapters", f"{mem.num_chapters} leaves {mem.num_chapters - mem.num_shared} routable chapters "
           f"beside num_shared={mem.num_shared}, and the tree's nodes own {owned} (sum of cluster_chapters[l] * "
-          f"data.cluster.k**(l+1)){also}", f"set num_chapters={mem.num_shared + owned + generic} (and num_tokens "
-          "to a multiple)")
+          f"data.cluster.k**(l+1)){also}", f"set num_chapters={mem.num_shared + owned + generic}"
+          + (" (and num_tokens to a multiple)" if mem.kind == "chapters" else ""))
   if mem.routing_pool != "mean":
     _fail("memory.routing_pool", f"{mem.routing_pool!r} with memory.routing='cluster', which has no router to pool "
           "for", "leave memory.routing_pool='mean'")
@@ -369,7 +389,10 @@ def _logical_dims(c) -> dict[str, list[tuple[str, int]]]:
           "mlp": [("model.mlp_dim", m.mlp_dim)], "layers": [("model.num_layers", layer_plan(c).num_groups)]}
   if "train" in c:
     dims["batch"] = [("train.batch_size", c.train.batch_size)]
-  if mem.enabled and memory_layers(c) and mem.kind != "chapters":
+  if mem.enabled and memory_layers(c) and mem.kind == "ffn":
+    dims["bank_embed"] = [("model.d_model", m.d_model)]
+    dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]
+  elif mem.enabled and memory_layers(c) and mem.kind != "chapters":
     value_dim = (mem.pkm_value_dim or m.d_model) if mem.kind == "pkm" else m.d_model // m.num_heads
     dims["value_embed"] = [("memory.pkm_value_dim", value_dim)]
     dims["banks"] = [("memory.sharing", max(bank_ids(c)) + 1)]

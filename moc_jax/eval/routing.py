@@ -64,7 +64,7 @@ class Usage:
   def __init__(self, config):
     mem, bank = config.memory, bank_shape(config)
     self.layers, self.banks = memory_layers(config), bank_ids(config)
-    self.unit = "chapters" if mem.kind == "chapters" else "slots"
+    self.unit = {"chapters": "chapters", "ffn": "columns"}.get(mem.kind, "slots")
     self.routing, self.chunk, self.num_shared = mem.routing, mem.routing_chunk, bank.always_read
     self.counts = np.zeros((len(self.layers), bank.rows), np.int64)
     self.decisions = 0
@@ -203,7 +203,7 @@ def parse_ablation(spec: str, config):
   if not memory_layers(config):
     raise ConfigError("--ablate_chapters: this model has no memory bank")
   num_chapters = bank_shape(config).rows
-  unit = "chapter" if config.memory.kind == "chapters" else "slot"
+  unit = {"chapters": "chapter", "ffn": "column"}.get(config.memory.kind, "slot")
   fix = f"use comma-separated {unit} ids in [0, {num_chapters}), top:N or routed"
   spec = spec.strip()
   if spec == "routed":

@@ -24,7 +24,7 @@ from flax import nnx
 from moc_jax import data as data_lib
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
-from moc_jax.config import memory_layers, reads_cluster_paths, routing_is_causal
+from moc_jax.config import memory_layers, reads_chapters, reads_cluster_paths, routing_is_causal
 from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
@@ -93,8 +93,8 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
   if o.quantize_bank and not memory_layers(config):
     raise ConfigError(f"--quantize_bank={o.quantize_bank}: {config.name} has no memory bank to quantize")
   if o.quantize_bank and config.memory.kind != "chapters":
-    raise ConfigError(f"--quantize_bank={o.quantize_bank}: quantized banks are chapter banks; the value table of "
-                      f"memory.kind={config.memory.kind} is evaluated in float32 only — drop --quantize_bank")
+    raise ConfigError(f"--quantize_bank={o.quantize_bank}: quantized banks are chapter banks of memory tokens; the "
+                      f"bank of memory.kind={config.memory.kind} is evaluated in float32 only — drop --quantize_bank")
   out_path = os.path.abspath(o.out or os.path.join(workdir, "eval.json"))
   tokenizer = model_tokenizer(config)
   mesh = sharding.make_mesh(config)
@@ -128,7 +128,7 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
                        for name, (fmt, path, qs) in questions.items()}
     report["files"] = {"eval_json": out_path}
     if usage is not None and o.analyze_routing:
-      chapters = config.memory.kind == "chapters"
+      chapters = reads_chapters(config)
       report["routing"] = {"kind": config.memory.kind, "routing": config.memory.routing if chapters else "product keys",
                            "load_balance": config.memory.load_balance if chapters else None,
                            "num_shared": usage.num_shared, "layers": usage.stats()}

@@ -1,8 +1,8 @@
 """The decoder: embedding -> blocks (variant A/B, memory where placed) -> final norm -> tied head.
 
 The memory of a memory layer is `memory.kind`'s: a chapter read (model/memory.py) or a product-key read
-(model/pkm.py) between the block's attention and MLP, or an hml memory block that runs before the block
-(model/hml.py). Its bank (the chapter bank, or the value table) is one parameter of the model, read by the memory
+(model/pkm.py) between the block's attention and MLP, an hml memory block that runs before the block
+(model/hml.py), or FFN columns fetched by the cluster path that widen the block's MLP (model/ffn_memory.py). Its bank (the chapter bank, or the value table) is one parameter of the model, read by the memory
 layers as memory.sharing says.
 
 Where the memory placement is periodic (the paper: every 4th layer from 2) the layers are built as
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moc_jax.config import bank_ids, layer_plan, memory_layers
+from moc_jax.model.ffn_memory import ColumnBank, FFNMemory
 from moc_jax.model.hml import HMLBlock
 from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU, cpu_layouts
 from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
@@ -32,13 +33,16 @@ _REMAT_POLICIES = {"full": _KEEP_SEARCH, "dots": jax.checkpoint_policies.save_fr
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _KEEP_SEARCH)}
 
 
-# the memory of a memory layer, by memory.kind: a read inside the block, or (hml) a block before it
-MEMORY_MODULES = {"chapters": MemoryLayer, "pkm": PKMLayer, "hml": HMLBlock}
+# the memory of a memory layer, by memory.kind: a read inside the block, (hml) a block before it, or (ffn) columns
+# of the block's MLP; and the model's bank that the memory layers read
+MEMORY_MODULES = {"chapters": MemoryLayer, "pkm": PKMLayer, "hml": HMLBlock, "ffn": FFNMemory}
+BANKS = {"chapters": ChapterBank, "pkm": ValueTable, "hml": ValueTable, "ffn": ColumnBank}
 
 
 class Block(nnx.Module):
   """One decoder layer. Variant A: SA -> memory -> MLP; variant B: SA -> MLP -> memory -> MLP. With
-  memory.kind=hml the memory is a block of its own, run before this one (`memory_first`)."""
+  memory.kind=hml the memory is a block of its own, run before this one (`memory_first`); with memory.kind=ffn it
+  reads the MLP's input and adds to its output (`widens_mlp`: variant A only)."""
 
   def __init__(self, cfg, has_memory, rngs):
     d, eps = cfg.model.d_model, cfg.model.norm_eps
@@ -53,6 +57,11 @@ class Block(nnx.Module):
   def memory_first(self) -> bool:
     """Whether the memory is a block of its own that runs before this one (hml), not a read inside it."""
     return isinstance(self.memory, HMLBlock)
+
+  @property
+  def widens_mlp(self) -> bool:
+    """Whether the memory is columns of this block's MLP (ffn), read from the MLP's input."""
+    return isinstance(self.memory, FFNMemory)
 
   def __call__(self, h, positions, mask, valid, segments, bank, paths=None):
     """-> (h, router stats of the block's memory read, or None). `paths`: the cluster paths cluster routing reads."""
@@ -91,10 +100,13 @@ class Block(nnx.Module):
     """The rest of the block after self-attention: [MLP (B)] -> memory read (`read_memory(h)`) -> MLP."""
     if self.variant == "B":
       h = h + self.mlp(self.mlp_norm(h))
-    if self.memory is not None and not self.memory_first:
+    if self.memory is not None and not (self.memory_first or self.widens_mlp):
       h = h + read_memory(h)
     if self.variant == "B":
       h = h + self.post_memory_mlp(self.post_memory_norm(h))
+    elif self.widens_mlp:
+      x = self.mlp_norm(h)
+      h = h + self.mlp(x) + read_memory(x)
     else:
       h = h + self.mlp(self.mlp_norm(h))
     return constrain(h, "batch", None, None)
@@ -172,8 +184,8 @@ class Transformer(nnx.Module):
     self.plan = layer_plan(cfg)
     self.bank_ids = bank_ids(cfg)
     self.embed = Embed(cfg, rngs)
-    bank = ChapterBank if cfg.memory.kind == "chapters" else ValueTable
-    self.bank = bank(cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg)) if memory_layers(cfg) else None
+    self.bank = (BANKS[cfg.memory.kind](cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg))
+                 if memory_layers(cfg) else None)
     p = self.plan
     if p.scanned:
       @nnx.split_rngs(splits=p.num_groups)

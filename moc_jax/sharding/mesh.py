@@ -107,7 +107,8 @@ def validate_mesh(c, dims: dict[str, list[tuple[str, int]]]) -> None:
       if size % n:
         raise ConfigError(f"config.{field}: {size} is not divisible by the {n} shards of logical axis {name!r} "
                           f"(mesh {sizes}, rule {dict(rules).get(name)!r}) — change the mesh or logical_axis_rules")
-  rows, what = ("chapters", "chapters") if c.memory.kind == "chapters" else ("slots", "value slots")
+  rows, what = {"chapters": ("chapters", "chapters"), "ffn": ("chapters", "columns")}.get(c.memory.kind,
+                                                                                      ("slots", "value slots"))
   row_axes = {a for a in mesh_axes_of(rules, rows) if sizes[a] > 1}  # the bank's rows (config.bank_shape)
   if row_axes - set(mesh_axes_of(rules, "batch")):
     raise ConfigError(f"config.logical_axis_rules: the bank's {what} are split over {sorted(row_axes)} but "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from moc_jax.config import bank_ids, bank_shape
+from moc_jax.config import bank_ids, bank_shape, reads_chapters
 from moc_jax.losses import lm_loss
 from moc_jax.optim import SparseRows, bank_update, chapters_read, frozen_groups, smf_chapters, split_bank, without_bank
 from moc_jax.model.build import param_groups
@@ -60,7 +60,7 @@ def _row_mask(config, bank, params, stats, idf):
   chapters = params["bank"]["memory"].shape[1]
   if bank.smf:
     return smf_chapters(stats["router_read"], bank_ids(config), idf, bank.top_t, chapters)
-  if config.memory.kind == "chapters":
+  if reads_chapters(config):
     return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
   return None if "slots_read" not in stats else stats["slots_read"] > 0
 

@@ -7,8 +7,8 @@ and 4 fake devices, against numpy.
   gradients in the table (the weighted cotangent scatter-added into the rows read; zero on padded and unread
   rows) and in the weights.
 * Each device holds its block of the padded slots: the reads ran on a sharded table.
-* A whole pkm and hml model (loss and every gradient) and a lazy AdamW train step on memory-sharded meshes
-  equal one device's (@slow).
+* A whole pkm, hml and ffn model (loss and every gradient) and a lazy AdamW train step on memory-sharded meshes
+  equal one device's (@slow; ffn's columns are read by model/ffn_memory.py's sharded read, the same scheme).
 
 The sharded cases run in a process of 4 fake CPU devices (the suite's processes keep one):
 `python tests/model/test_value_table.py [model]` prints one JSON line; the references are computed here.
@@ -123,6 +123,11 @@ MODEL_BASE = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.s
               "train.bank_optimizer": "lazy_adam", "train.warmup_steps": 0, "train.schedule": "constant"}
 
 
+# ffn: 1 shared + 2·4 + 1·16 = 25 columns fetched by two-level cluster paths (k = 4), as the value tables' 25 slots
+KIND_BASE = {"ffn": {"memory.routing": "cluster", "data.cluster.k": 4, "data.cluster.levels": 2,
+                     "memory.cluster_chapters": (2, 1), "memory.num_chapters": 25}}
+
+
 def model_outputs(kind, mesh_name):
   """Loss, gradients and the parameters after one lazy AdamW step of the tiny `kind` model on a mesh (None:
   one device), as the user view (padded slots dropped)."""
@@ -132,16 +137,19 @@ def model_outputs(kind, mesh_name):
   from moc_jax.train.step import jit_train_step
   mesh_overrides = MODEL_MESHES[mesh_name] if mesh_name else {"mesh.data": 1}
   count = int(np.prod([v for k, v in mesh_overrides.items()]))
-  config = moc_jax.load_config("configs/moc.py:tiny", {**MODEL_BASE, "memory.kind": kind, **mesh_overrides,
-                                                      "num_fake_devices": count})
+  config = moc_jax.load_config("configs/moc.py:tiny", {**MODEL_BASE, "memory.kind": kind, **KIND_BASE.get(kind, {}),
+                                                      **mesh_overrides, "num_fake_devices": count})
   mesh = sharding.make_mesh(config, jax.devices()[:count])
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 260, (8, 32)).astype(np.int32)
   batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids}
+  if kind == "ffn":  # each row one document, on its own path
+    batch["cluster_path"] = np.broadcast_to(rng.integers(0, 4, (8, 1, 2)) * [1, 4] + [0, 1], (8, 32, 2)).astype(
+        np.int32)
   with sharding.activate(mesh, sharding.rules_of(config)):
     layout = state_lib.build_state(config, mesh)
     state = layout.init()
-    if kind == "hml":  # non-zero values (an hml table starts at zero): the read shows in the loss
+    if kind in ("hml", "ffn"):  # non-zero values (an hml table, ffn's down vectors start at zero): the read shows
       table = state["params"]["bank"]["memory"]
       state["params"]["bank"]["memory"] = table.replace(
           jax.device_put(jax.random.normal(jax.random.key(1), table.shape), table.sharding))
@@ -160,7 +168,7 @@ def model_outputs(kind, mesh_name):
 
 def main(argv):
   if argv[1:] == ["model"]:
-    out = {kind: {name: model_outputs(kind, name) for name in (None, *MODEL_MESHES)} for kind in ("pkm", "hml")}
+    out = {kind: {name: model_outputs(kind, name) for name in (None, *MODEL_MESHES)} for kind in ("pkm", "hml", "ffn")}
     print(json.dumps({"devices": jax.device_count(), "models": out}), flush=True)
     return
   print(json.dumps({"devices": jax.device_count(), "layouts": {n: layout_outputs(n) for n in LAYOUTS}}), flush=True)
@@ -203,7 +211,7 @@ def test_sharded_read_and_gradients_equal_numpy(sharded, name):
 
 @pytest.mark.slow
 def test_sharded_models_and_lazy_steps_equal_one_device():
-  """pkm and hml (tiny, 25 slots: padded to 26 and 28) on memory x 2, memory x 4 and data x memory meshes: the
+  """pkm, hml and ffn (tiny, 25 slots or columns: padded to 26 and 28) on memory x 2, memory x 4 and data x memory meshes: the
   loss, every gradient and the table after one lazy AdamW step (the masked update of a sharded table against
   one device's row update) equal one device's."""
   models = run_worker("model")["models"]
