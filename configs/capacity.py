@@ -15,7 +15,8 @@ ratios):
   wide      d 64, 4 heads, SwiGLU 192 (the gate's): 197,184 (213,824): 0.45 bits per parameter
   memories  each about 2.7x the narrow backbone, read by layers 1 and 3: a bank of 257 chapters x 16 tokens at d 32
             (131,584; top-4, 936,273 model FLOPs per token), a pkm table of 64^2 slots x 32 (131,072; top-8, 2 heads;
-            770,604) or two hml tables of 64^2 x 16 (131,072; 901,324)
+            770,604) or two hml tables of 64^2 x 16 (131,072; 901,324); fetched by the cluster path (TREE): the same bank, 2
+            chapters a document (758,270), or FFN memory of 1,184 columns x 3 x 32 (113,664; 739,900)
   iso       the narrow backbone at SwiGLU 208 (92,448 without the embedding: 0.95 bits per parameter), 952,468 FLOPs
             per token: +1.7% on the costliest memory arm, the bank
 
@@ -56,6 +57,10 @@ NO_MEMORY = moc.NO_MEMORY
 # grows (muP), and the gate must not handicap either model with the other's rate.
 WIDE = {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192,
         "train.base_lr": LR / 2, "train.memory_lr": LR / 2}
+# The arms that fetch memory by the document's path (data/cluster_paths.py): a 16-ary tree of 2 levels, 256 leaves
+# over the 2,048 entities (8 a leaf if the tree finds them). They tell a router's failure from the bank's: the same
+# bank, read by what the document is about instead of by a learned router.
+TREE = {"data.cluster.k": 16, "data.cluster.levels": 2, "memory.routing": "cluster", "memory.routing_pool": "mean"}
 # Memory arms: the overrides of the base config (itself the MoC arm) and the memory.kind each needs; an arm joins
 # the study when the schema knows its kind.
 MEMORY_ARMS = {
@@ -63,10 +68,13 @@ MEMORY_ARMS = {
             "chapters"),
     "pkm": ({"memory.kind": "pkm"}, "pkm"),
     "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer"}, "hml"),  # MIDUS: a table per memory block
+    # the bank's 257 chapters: the shared one and one per leaf (each document reads 2)
+    "cluster": ({**TREE, "memory.cluster_chapters": (0, 1)}, "chapters"),
+    # FFN memory in the bank's parameters: 1,370 columns of 3 x 32, split evenly between the levels (1370 // 32 = 42
+    # per level-0 node, 1370 // 512 = 2 per leaf: 1,184 columns, 44 fetched per token)
+    "ffn": ({**TREE, "memory.kind": "ffn", "memory.num_shared": 0, "memory.cluster_chapters": (42, 2),
+             "memory.num_chapters": 1184}, "ffn"),
 }
-# Not built: the arm whose chapters are fetched by the document's entity rather than routed, which would tell a
-# router's failure from the bank's. It is one more entry of MEMORY_ARMS (its overrides and the routing mode it
-# needs); its iso-FLOP dense model, LR sweep, knock-out and confirmation follow from the entry.
 
 
 def memory_arms() -> dict:
