@@ -278,8 +278,9 @@ def _ffn_arm(c) -> dict:
 
 def _cluster(c):
   """Memory fetched by the document's path against the learned router (the config's), with the generic-memory
-  control (data.cluster.generic = 1/(k+1), the paper's co-training: Σ r_l more chapters), FFN memory on the same
-  tree (`_ffn_arm`), and the iso-FLOP dense model, once per seed (docs/routing.md#cluster-routing-
+  control (data.cluster.generic = 1/(k+1), the paper's co-training: Σ r_l more chapters), the learned router
+  choosing within the document's subtree (`subtree`: tiny, top-8 of a subtree's 4 + 4·3 chapters), FFN memory on the
+  same tree (`_ffn_arm`), and the iso-FLOP dense model, once per seed (docs/routing.md#cluster-routing-
   memorycluster_chapters)."""
   arm = _cluster_arm(c)
   generic = sum(arm["memory.cluster_chapters"])
@@ -287,7 +288,7 @@ def _cluster(c):
   return _seeds([{}, arm, {**arm, "data.cluster.generic": round(1 / (CLUSTER_K + 1), 6),
                            "memory.num_chapters": c.memory.num_chapters + generic,
                            "memory.num_tokens": (c.memory.num_chapters + generic) * per_chapter},
-                 _ffn_arm(c), {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
+                 {**arm, "memory.routing": "subtree"}, _ffn_arm(c), {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
 
 
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,

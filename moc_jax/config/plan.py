@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from moc_jax.config.schema import CAUSAL_ROUTINGS, CHAPTER_KINDS
+from moc_jax.config.schema import CAUSAL_ROUTINGS, CHAPTER_KINDS, TREE_ROUTINGS
 
 
 def routing_is_causal(c) -> bool:
@@ -24,9 +24,9 @@ def reads_chapters(c) -> bool:
 
 
 def reads_cluster_paths(c) -> bool:
-  """Whether the model reads its chapters by the batch's cluster paths (`memory.routing=cluster`): every input it
-  is given then needs each token's path (data/cluster_paths.py)."""
-  return reads_chapters(c) and c.memory.routing == "cluster"
+  """Whether the model reads its chapters by the batch's cluster paths (`memory.routing` cluster or subtree): every
+  input it is given then needs each token's path (data/cluster_paths.py)."""
+  return reads_chapters(c) and c.memory.routing in TREE_ROUTINGS
 
 
 def cluster_ranges(num_shared: int, k: int, per_level, generic: bool) -> tuple[list[tuple[int, int]], int | None]:
@@ -38,6 +38,12 @@ def cluster_ranges(num_shared: int, k: int, per_level, generic: bool) -> tuple[l
     ranges.append((start, start + r * k ** (level + 1)))
     start = ranges[-1][1]
   return ranges, (start if generic else None)
+
+
+def subtree_chapters(c) -> int:
+  """Chapters owned by a level-0 node of the cluster tree and the nodes below it (`memory.routing=subtree`'s choice):
+  Σ_l r_l·k^l."""
+  return sum(r * c.data.cluster.k ** level for level, r in enumerate(c.memory.cluster_chapters))
 
 
 def chapters_read(c) -> int:
@@ -58,6 +64,10 @@ def routing_statement(c) -> str:
   if c.memory.routing == "segment":
     return ("memory.routing=segment: NOT causal (each document's chapters are chosen from all its tokens, "
             "future ones included)")
+  if c.memory.routing == "subtree":
+    return ("memory.routing=subtree: NOT causal in training (each position's router chooses among the chapters of "
+            "its document's subtree, found from its whole text's path); evaluation also reports CE with each token's "
+            "path from its prefix")
   if c.memory.routing == "cluster":
     return ("memory.routing=cluster: NOT causal in training (each document reads the chapters of its whole text's "
             "path down the cluster tree); evaluation also reports CE with each token's path from its prefix")

@@ -9,7 +9,8 @@ import collections
 
 import jax
 
-from moc_jax.config.plan import bank_ids, bank_shape, base_tables, layer_plan, memory_layers, router_factors
+from moc_jax.config.plan import (bank_ids, bank_shape, base_tables, layer_plan, memory_layers, router_factors,
+                                 subtree_chapters)
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
                                    LOAD_BALANCES, MEMORY_KINDS, PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS,
                                    ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS, UPSCALE_COPIES,
@@ -177,6 +178,8 @@ def _validate_chapters(c):
     _positive(c, f"memory.{f}", allow_zero=True)
   if mem.routing == "cluster":
     _validate_cluster(c)
+  if mem.routing == "subtree":
+    _validate_subtree(c)
   if mem.routing_pool == "attention" and mem.routing == "token":
     _fail("memory.routing_pool", "attention pooling with token routing, which pools nothing (each position routes "
           "on its own input)", "use routing_pool=mean, or a pooled routing (prefix, chunk, segment, sequence)")
@@ -204,9 +207,38 @@ def _validate_chapters(c):
 def _validate_cluster(c):
   """cluster routing: the batch's paths (data.cluster) name the chapters, each node of level l owning
   memory.cluster_chapters[l] of the routable ones; no router, so nothing that shapes one applies."""
+  mem = c.memory
+  _validate_tree(c)
+  if mem.routing_pool != "mean":
+    _fail("memory.routing_pool", f"{mem.routing_pool!r} with memory.routing='cluster', which has no router to pool "
+          "for", "leave memory.routing_pool='mean'")
+  if mem.load_balance == "aux_free":
+    _fail("memory.load_balance", "'aux_free' with memory.routing='cluster': there is no router whose choice a bias "
+          "could move", "use 'routed' or 'mocpt' (no router, so neither term applies)")
+
+
+def _validate_subtree(c):
+  """subtree routing: the chapters laid out on the tree as cluster routing's, a linear router choosing top_k among
+  those of the document's level-0 subtree (no generic chapters: every document has a subtree)."""
+  mem = c.memory
+  if "data" in c and c.data.cluster.generic:
+    _fail("data.cluster.generic", f"{c.data.cluster.generic} with memory.routing='subtree': the generic control is "
+          "cluster routing's", "set data.cluster.generic=0, or use memory.routing='cluster'")
+  _validate_tree(c)
+  if mem.router != "linear":
+    _fail("memory.router", f"{mem.router!r} with memory.routing='subtree': the subtree masks the logits of a linear "
+          "router", "use memory.router='linear'")
+  if mem.top_k > subtree_chapters(c):
+    _fail("memory.top_k", f"{mem.top_k} > the {subtree_chapters(c)} chapters of a level-0 subtree (sum of "
+          "cluster_chapters[l] * data.cluster.k**l)", "lower top_k or give the tree's nodes more chapters")
+
+
+def _validate_tree(c):
+  """The chapters of cluster and subtree routing: the batch carries paths (data.cluster), and the bank holds the
+  shared chapters, memory.cluster_chapters[l] per node of each level l, and (cluster routing) the generic ones."""
   mem, cluster = c.memory, c.data.cluster if "data" in c else None
   if cluster is None or not cluster.k:
-    _fail("data.cluster.k", "0 with memory.routing='cluster': the batches carry no cluster paths to read by",
+    _fail("data.cluster.k", f"0 with memory.routing={mem.routing!r}: the batches carry no cluster paths to read by",
           "set data.cluster.k (the tree's branching, e.g. 16) and data.cluster.levels")
   per_level = tuple(mem.cluster_chapters)
   if len(per_level) != cluster.levels or any(not isinstance(r, int) or isinstance(r, bool) or r < 0
@@ -222,12 +254,6 @@ def _validate_cluster(c):
           f"beside num_shared={mem.num_shared}, and the tree's nodes own {owned} (sum of cluster_chapters[l] * "
           f"data.cluster.k**(l+1)){also}", f"set num_chapters={mem.num_shared + owned + generic}"
           + (" (and num_tokens to a multiple)" if mem.kind == "chapters" else ""))
-  if mem.routing_pool != "mean":
-    _fail("memory.routing_pool", f"{mem.routing_pool!r} with memory.routing='cluster', which has no router to pool "
-          "for", "leave memory.routing_pool='mean'")
-  if mem.load_balance == "aux_free":
-    _fail("memory.load_balance", "'aux_free' with memory.routing='cluster': there is no router whose choice a bias "
-          "could move", "use 'routed' or 'mocpt' (no router, so neither term applies)")
 
 
 def _validate_train(c):

@@ -17,7 +17,10 @@ routing.py). MoC-PT's semantics: docs/mocpt_semantics.md.
 * `cluster` — no router: each position reads the shared chapters and those of the nodes on its document's path
   down the cluster tree (`data.cluster`; the batch's cluster_path), a fixed number, mixed as a router's uniform
   choice would be. NOT causal when the path is the whole document's (training).
-`segment`, `prefix`, `chunk` and `cluster` mix chapters as `sequence` does (weights scale keys and values, one
+* `subtree` — prefix routing whose choice is limited to the chapters of the document's subtree: the router's
+  top-k among the chapters owned by its path's level-0 node and the nodes below it (and the shared ones), laid
+  out as `cluster`'s. NOT causal when the path is the whole document's (training).
+`segment`, `prefix`, `chunk`, `cluster` and `subtree` mix chapters as `sequence` does (weights scale keys and values, one
 softmax).
 The per-position modes project the (normalised) bank's keys and values once per layer call and read
 them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
@@ -32,13 +35,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.config.schema import CAUSAL_ROUTINGS
+from moc_jax.config.schema import CAUSAL_ROUTINGS, TREE_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
-from moc_jax.model.layers import attention, dense, normalize_tokens, param_init, RMSNorm
+from moc_jax.model.layers import NEG_INF, attention, dense, normalize_tokens, param_init, RMSNorm
 from moc_jax.model.quantize import dequantize
 from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, cluster_chapters, grid_route,
                                    grid_router_losses, mix_weights, per_position, pool_share, resolve_decode_routing,
-                                   route, router_losses, routing_input, with_shared)
+                                   route, router_losses, routing_input, subtree_mask, with_shared)
 from moc_jax.sharding import current
 
 
@@ -154,16 +157,16 @@ class MemoryLayer(nnx.Module):
     self.token_norm_eps = mem.token_norm_eps
     self.sharded_read = mem.sharded_read
     self.router = Router(cfg, rngs) if mem.routing != "cluster" else None
-    # cluster routing's (tree branching, chapters per node of each level, chapters, whether generic ones follow the
-    # tree's); None for a router
+    # the tree of cluster and subtree routing (branching, chapters per node of each level, chapters, whether generic
+    # ones follow the tree's); None without one
     self.cluster = ((cfg.data.cluster.k, tuple(mem.cluster_chapters), mem.num_chapters, bool(cfg.data.cluster.generic))
-                    if mem.routing == "cluster" else None)
+                    if mem.routing in TREE_ROUTINGS else None)
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
-  def decide(self, pooled):
+  def decide(self, pooled, allowed=None):
     """Router logits of routing inputs `pooled` [..., d] -> (routed ids, routed weights) per decision,
-    and the router statistics."""
+    and the router statistics. `allowed` [..., C] bool: the chapters each decision may choose (subtree routing)."""
     bias = self.router.balance_bias
     bias = None if bias is None else bias[...]
     if self.router.factored:
@@ -172,6 +175,8 @@ class MemoryLayer(nnx.Module):
       stats = grid_router_losses(grid, routed_ids, self.num_shared, self.load_balance)
     else:
       logits = self.router(pooled)
+      if allowed is not None:
+        logits = jnp.where(allowed, logits, NEG_INF)
       probs, routed_ids, routed_w = route(logits, self.num_shared, self.top_k, bias)
       stats = router_losses(logits, probs, routed_ids, self.num_shared, self.load_balance)
     if bias is not None:
@@ -193,15 +198,16 @@ class MemoryLayer(nnx.Module):
     return sel.reshape(sel.shape[0], -1, sel.shape[-1]), stats
 
   def __call__(self, h, route_input, bank, valid=None, segments=None, paths=None):
-    if self.cluster is not None:
+    if self.routing == "cluster":
       return self.read_cluster(h, bank, valid, paths)
     weights = self.router.weigh(route_input, valid)
-    pooled = routing_input(route_input, valid, self.routing, self.chunk, segments, weights)
+    subtree = self.routing == "subtree"  # prefix routing, its choice masked by the path
+    pooled = routing_input(route_input, valid, "prefix" if subtree else self.routing, self.chunk, segments, weights)
     if self.routing == "sequence":
       tokens, stats = self.select(pooled, bank)
       out = self.attn(self.norm(h), tokens)
     else:
-      out, stats = self.read_per_position(h, pooled, bank, self.routing)
+      out, stats = self.read_per_position(h, pooled, bank, self.routing, self.subtree(paths) if subtree else None)
     if weights is not None:  # pool_weights [B, L]: what `moc_jax.eval.pool_focus` reads (unused outputs cost nothing)
       stats.update(pool_share=pool_share(weights), pool_weights=weights)
     return out, stats
@@ -247,9 +253,18 @@ class MemoryLayer(nnx.Module):
     k, v = self.attn.keys_values(normalize_tokens(dequantize(bank), self.token_norm, self.token_norm_eps))
     return k, v, ids
 
-  def read_per_position(self, h, pooled, bank, routing):
-    """segment / token / prefix / chunk routing: each position reads its own chapters (decided on `pooled`)."""
-    routed_ids, routed_w, stats = self.decide(pooled)
+  def subtree(self, paths):
+    """subtree routing: the chapters each position may choose, bool [B, L, C] (`routing.subtree_mask`)."""
+    if paths is None:
+      raise ValueError("memory.routing=subtree chooses among the chapters of each document's subtree: pass "
+                       "cluster_path [B, L, levels] (the batch's, with data.cluster.k > 0)")
+    k, per_level, num_chapters, _ = self.cluster
+    return subtree_mask(paths, self.num_shared, k, per_level, num_chapters)
+
+  def read_per_position(self, h, pooled, bank, routing, allowed=None):
+    """segment / token / prefix / chunk / subtree routing: each position reads its own chapters (decided on
+    `pooled`, among `allowed`)."""
+    routed_ids, routed_w, stats = self.decide(pooled, allowed)
     if routing == "token":
       return self.read_positions(h, routed_ids, routed_w, bank, routing, stats)
     chapters, weights = with_shared(routed_ids, self.num_shared), mix_weights(routed_w, self.num_shared, self.scaling)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moc_jax.config import cluster_ranges, router_factors
@@ -80,6 +81,19 @@ def cluster_chapters(paths, num_shared, k, per_level, generic=False):
   if generic:
     ids = jnp.where(paths[..., :1] == GENERIC_PATH, generic_start + jnp.arange(sum(per_level), dtype=jnp.int32), ids)
   return with_shared(ids, num_shared)
+
+
+def subtree_mask(paths, num_shared, k, per_level, num_chapters):
+  """`memory.routing=subtree`: the chapters each position's router may choose, bool [..., C] (paths [..., levels],
+  -1 on padding read as node 0): the shared ones and those owned by its document's level-0 node and every node below
+  it, laid out as `cluster_chapters` lays them out (node j of level l lies below level-0 node j // k**l)."""
+  ranges, _ = cluster_ranges(num_shared, k, per_level, False)
+  top = np.full(num_chapters, -1, np.int32)
+  for level, (r, (start, stop)) in enumerate(zip(per_level, ranges)):
+    if r:
+      top[start:stop] = np.arange(stop - start) // r // k ** level
+  node = jnp.maximum(paths[..., 0], 0).astype(jnp.int32)
+  return (jnp.asarray(top) == node[..., None]) | (jnp.arange(num_chapters) < num_shared)
 
 
 def router_losses(logits, probs, routed_ids, num_shared, load_balance):

@@ -13,7 +13,7 @@ from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval.routing import zero_chapters
 from moc_jax.model.build import count_params
-from moc_jax.model.routing import cluster_chapters
+from moc_jax.model.routing import cluster_chapters, subtree_mask
 
 # k = 4, two levels, 2 chapters per level-1 node and 1 per leaf: 1 shared + 2·4 + 1·16 = 25 chapters of 16 tokens
 CLUSTER = {"model.compute_dtype": "float32", "memory.routing": "cluster", "data.cluster.k": 4,
@@ -119,7 +119,45 @@ def test_a_call_without_paths_is_refused(model):
     m(jnp.ones((1, 4), jnp.int32))
 
 
+def test_subtree_chapters_by_hand():
+  """k = 4, (4, 3) after 1 shared chapter: level-0 node j owns 1 + 4j .. 4 + 4j, leaf j owns 17 + 3j .. 19 + 3j, and
+  leaves 4j .. 4j + 3 lie below node j. Path (1, 5) may choose 0, 5..8 and 29..40; (3, 14) 0, 13..16 and 53..64;
+  padding (-1, -1) reads as node 0."""
+  mask = np.asarray(subtree_mask(jnp.array([[1, 5], [3, 14], [-1, -1]]), 1, 4, (4, 3), 65))
+  chosen = [np.flatnonzero(row).tolist() for row in mask]
+  assert chosen == [[0, *range(5, 9), *range(29, 41)], [0, *range(13, 17), *range(53, 65)],
+                    [0, *range(1, 5), *range(17, 29)]]
+  # (2, 0, 1) on a 2-ary tree, no shared chapter: node 1 owns 2, 3; level 1 none; leaf j owns 4 + j, and the
+  # leaves 4..7 below node 1 own 8..11
+  assert np.flatnonzero(np.asarray(subtree_mask(jnp.array([1, 3, 6]), 0, 2, (2, 0, 1), 12))).tolist() == [
+      2, 3, 8, 9, 10, 11]
+
+
+def test_subtree_routing_chooses_within_the_documents_subtree():
+  """The learned router's top-8 of every position (a packed row: two documents on two subtrees) lies in its
+  document's subtree; the router's statistics are a prefix router's."""
+  config = moc_jax.load_config("configs/moc.py:tiny", {
+      "model.compute_dtype": "float32", "memory.routing": "subtree", "data.cluster.k": 4,
+      "memory.cluster_chapters": (4, 3)})
+  model = moc_jax.build_model(config, seed=2)
+  ids, mask, segments, _ = _packed()
+  paths = jnp.array([[[1, 5]] * 5 + [[3, 14]] * 4 + [[-1, -1]] * 3], jnp.int32)
+  _, aux = model(ids, mask, segment_ids=segments, cluster_path=paths)
+  chapters = np.asarray(aux["chapters"])  # [2 layers, 1, 12, 1 + 8]
+  assert chapters.shape == (2, 1, 12, 9) and (chapters[..., 0] == 0).all()
+  first, second = {*range(5, 9), *range(29, 41)}, {*range(13, 17), *range(53, 65)}
+  assert set(chapters[:, 0, :5, 1:].ravel()) <= first and set(chapters[:, 0, 5:9, 1:].ravel()) <= second
+  assert float(aux["router_loss"]) > 0 and aux["load"].shape == (2, 65)
+  with pytest.raises(ValueError, match="cluster_path"):
+    model(ids, mask, segment_ids=segments)
+
+
 @pytest.mark.parametrize("overrides, field", [
+    ({"memory.routing": "subtree", "memory.router": "product"}, "memory.router"),
+    ({"memory.routing": "subtree", "memory.top_k": 17, "memory.cluster_chapters": (4, 3), "memory.num_chapters": 65,
+      "memory.num_tokens": 1040}, "memory.top_k"),
+    ({"memory.routing": "subtree", "data.cluster.generic": 0.2}, "data.cluster.generic"),
+    ({"memory.routing": "subtree", "data.cluster.k": 0}, "data.cluster.k"),
     ({"data.cluster.k": 0}, "data.cluster.k"),
     ({"memory.cluster_chapters": (2,)}, "memory.cluster_chapters"),
     ({"memory.cluster_chapters": (2, -1)}, "memory.cluster_chapters"),

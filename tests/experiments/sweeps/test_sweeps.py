@@ -119,13 +119,16 @@ def test_routing_sweep_arms():
 
 def test_cluster_sweep_arms():
   """The learned router, cluster routing over the same routable chapters (tiny: 4·4 + 3·16 = 64), the same with the
-  generic control (1/(k+1), 7 more chapters of 16 tokens), FFN memory on the same tree (the bank's 66,560
+  generic control (1/(k+1), 7 more chapters of 16 tokens), the router within the subtree (the same layout), FFN
+  memory on the same tree (the bank's 66,560
   parameters are 346 columns of 3 x 64: 346 // 8 = 43 per level-0 node, 346 // 32 = 10 per leaf, 4·43 + 16·10 = 332)
   and the iso-FLOP dense model, 3 seeds each."""
   points = plan("configs/moc.py:tiny", "cluster")
-  assert len(points) == 5 * 3 and len({p.name for p in points}) == 15
+  assert len(points) == 6 * 3 and len({p.name for p in points}) == 18
   seed0 = [p.config for p in points if p.config.seed == 0]
-  learned, cluster, generic, ffn, dense = seed0
+  learned, cluster, generic, subtree, ffn, dense = seed0
+  assert (subtree.memory.routing, tuple(subtree.memory.cluster_chapters), subtree.memory.top_k) == (
+      "subtree", (4, 3), 8)
   assert (ffn.memory.kind, ffn.memory.routing, tuple(ffn.memory.cluster_chapters)) == ("ffn", "cluster", (43, 10))
   assert (ffn.memory.num_chapters, ffn.memory.num_shared) == (332, 0)
   assert learned.memory.routing == "prefix" and not dense.memory.enabled
