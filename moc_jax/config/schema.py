@@ -120,6 +120,9 @@ def base_config():
   mem.decode_routing = "auto"
   mem.routing_window = 128       # rolling / hybrid: the last layer inputs a decoding decision averages
   mem.attention_impl = "auto"    # token/prefix/chunk reads: auto | pallas | xla | reference (kernels_pallas)
+  # the per-position reads, `read_chunk` positions of every row at a time (0: the whole sequence at once): exact,
+  # and the read's temporaries are one slice's (model/chapter_read.py `routed_attention`)
+  mem.read_chunk = 0
   mem.init_std = 0.02
   mem.wo_init_zero = True
   # mocpt: MoC-PT's Switch term C·Σ f·P, exact (P counts the shared chapters, f does not) | routed: the Switch term

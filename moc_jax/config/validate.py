@@ -174,7 +174,7 @@ def _validate_chapters(c):
             "routing_chunk", "routing_window"):
     _positive(c, f"memory.{f}")
   for f in ("num_shared", "routed_scaling_factor", "load_balance_coef", "z_loss_coef", "mse_aux_coef",
-            "aux_free_rate"):
+            "aux_free_rate", "read_chunk"):
     _positive(c, f"memory.{f}", allow_zero=True)
   if mem.routing == "cluster":
     _validate_cluster(c)

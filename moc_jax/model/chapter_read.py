@@ -67,12 +67,17 @@ def read_chapters(bank, ids, strategy="auto"):
                        out_specs=logical_spec(mesh, "batch", None, None, None), check_vma=False)(bank, ids)
 
 
-def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, implementation="auto"):
+def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, implementation="auto", chunk=0):
   """`routed_chapter_attention` (q [B,L,H,dh], k/v [C,T,Hkv,dh], ids/scales [B,L,S]) on the active mesh.
 
   Without a mesh: one call. With one: a shard_map per device (a Pallas call cannot be partitioned by
-  GSPMD); when `chapters` is split, expert parallelism as described above.
+  GSPMD); when `chapters` is split, expert parallelism as described above. `chunk` > 0 (memory.read_chunk):
+  `in_chunks`.
   """
+  if 0 < chunk < q.shape[1]:
+    read = functools.partial(routed_attention, k=k, v=v, combine=combine, implementation=implementation)
+    return in_chunks(lambda q, ids, ls, vs: read(q, ids=ids, logit_scale=ls, value_scale=vs),
+                     q, ids, logit_scale, value_scale, chunk)
   call = functools.partial(routed_chapter_attention, combine=combine, implementation=implementation)
   chapter_axes, mesh = current("chapters")
   if mesh is None:
@@ -101,6 +106,23 @@ def routed_attention(q, k, v, ids, logit_scale, value_scale, *, combine, impleme
 
   return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, slot_spec, slot_spec, slot_spec),
                        out_specs=q_spec, check_vma=False)(q, k, v, ids, logit_scale, value_scale)
+
+
+def in_chunks(read, q, ids, logit_scale, value_scale, chunk):
+  """read(q, ids, logit_scale, value_scale) of every `chunk` consecutive positions of each row in turn: a scan
+  whose body is rematerialised, so the read's temporaries (the kernels' per-(token, slot) rows, the dispatch plan)
+  are one slice's, forward and backward. Exact: each position reads its own slots. The last slice is padded with
+  empty slots (id -1) and its padding cut off."""
+  b, length = q.shape[:2]
+  n = -(-length // chunk)
+
+  def split(x, fill):
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - length)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+  slices = (split(q, 0), split(ids, -1), split(logit_scale, 0), split(value_scale, 0))
+  _, out = jax.lax.scan(jax.checkpoint(lambda carry, x: (carry, read(*x))), None, slices)
+  return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :length]
 
 
 def owned(ids, owner, per):

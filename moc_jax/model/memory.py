@@ -151,7 +151,7 @@ class MemoryLayer(nnx.Module):
     self.routing, self.chunk = mem.routing, mem.routing_chunk
     self.load_balance = mem.load_balance
     self.decode_routing, self.window = resolve_decode_routing(mem), mem.routing_window
-    self.attention_impl = mem.attention_impl
+    self.attention_impl, self.read_chunk = mem.attention_impl, mem.read_chunk
     # MoC-PT skips the token norm when there are no shared chapters (or no routed ones).
     self.token_norm = mem.token_norm if mem.num_shared > 0 else "none"
     self.token_norm_eps = mem.token_norm_eps
@@ -300,7 +300,8 @@ class MemoryLayer(nnx.Module):
     def read(ids, logit_scale, value_scale, combine):
       k, v, ids = self.keys_values_in_use(bank, ids)
       slots = (per_position(x, routing, self.chunk, h.shape[1]) for x in (ids, logit_scale, value_scale))
-      return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl)
+      return routed_attention(q, k, v, *slots, combine=combine, implementation=self.attention_impl,
+                              chunk=self.read_chunk)
 
     if token:
       out = read(slots, jnp.ones_like(weights), self.scaling * weights, "moe")
