@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from moc_jax import sharding
+from moc_jax.config import layer_plan
 from moc_jax.state import build_state
 from moc_jax.train.step import jit_train_step
 
@@ -88,6 +89,39 @@ def lower_eval(config, mesh, layout):
     batch_sharding = sharding.data_sharding(config, mesh)
     evaluator = CEEvaluator(layout.graphdef, layout.shardings["params"], batch_sharding, [])
     return evaluator.step.lower(layout.abstract["params"], abstract_batch(config, batch_sharding))
+
+
+def lower_decode(config, mesh, layout):
+  """The lowered cached-decoding step (model/decode.py `step`, one new token per row, as `moc_jax.generate`'s loop
+  runs it) for an update's rows at model.max_seq_len slots, with the cache a one-token prompt leaves (its memory
+  state has the shapes of any prompt's). Every cache array is split over `batch` on its row axis."""
+  from flax import nnx
+  from moc_jax.model import decode
+  rows, slots = config.train.batch_size * config.train.grad_accum, config.model.max_seq_len
+  scanned = layer_plan(config).scanned
+  with sharding.activate(mesh, sharding.rules_of(config)):
+    row_spec = sharding.data_sharding(config, mesh).spec[0]
+
+    def step(params, cache, ids):
+      return decode.step(nnx.merge(layout.graphdef, params), cache, ids)
+
+    def first(params, ids):
+      return decode.step(nnx.merge(layout.graphdef, params), decode.init_cache(nnx.merge(layout.graphdef, params),
+                                                                               rows, slots), ids)[0]
+
+    ids = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=sharding.data_sharding(config, mesh))
+    cache = jax.eval_shape(first, layout.abstract["params"], ids)
+
+    def place(path, leaf):
+      axis = 1 if scanned and path and getattr(path[0], "key", None) == "layers" else 0
+      spec = [None] * leaf.ndim
+      if leaf.ndim:
+        spec[axis] = row_spec
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+    cache = jax.tree_util.tree_map_with_path(place, cache)
+    return jax.jit(step).lower(layout.abstract["params"], cache, ids)
 
 
 def step_fields(compiled, hlo_text) -> dict:

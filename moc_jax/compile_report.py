@@ -7,7 +7,7 @@ without one:
   devices, so the layout of a model too large for this machine can be checked before it meets one;
 * `python -m moc_jax.compile_report --config=configs/moc.py:262k --topology=v5e:4x4`: the compile-only devices of
   a TPU slice (the `tpu` extra installs libtpu; `--topology=list` names the chips it knows). The TPU compiler
-  itself compiles the train step and the evaluation step (XLA, and Mosaic for the Pallas kernels), and refuses a
+  itself compiles the train, evaluation and decoding steps (XLA, and Mosaic for the Pallas kernels), and refuses a
   step that does not fit a chip's HBM: that refusal is the answer, and the largest micro-batch that fits is
   searched for (moc_jax/tpu_report.py).
 
@@ -33,6 +33,9 @@ With --topology also:
                                    temporaries); the compiler has accepted steps for which it is negative
   eval                             the evaluation step (a forward over an update's rows, as the training loop
                                    evaluates): rows_per_device, compile_seconds, fits, and the fields above
+  decode                           the cached-decoding step (`moc_jax.generate`'s: one new token for each of an
+                                   update's rows, model.max_seq_len cache slots): rows_per_device, slots,
+                                   compile_seconds, fits, and the fields above
   largest_fitting                  when the train step does not fit: the largest micro-batch that does (rows per
                                    device, batch_size, grad_accum at the same update size, its xla, margin
                                    and kernels), or null; searched: {rows per device: fits} of every count compiled

@@ -1,4 +1,4 @@
-"""`python -m moc_jax.compile_report --topology=NAME`: the train and evaluation steps compiled by the TPU compiler
+"""`python -m moc_jax.compile_report --topology=NAME`: the train, evaluation and decoding steps compiled by the TPU compiler
 for a slice's devices on a host without one (moc_jax/tpu_topology.py), its verdict on whether they fit a chip's
 HBM, and, when the train step does not, the largest micro-batch that does.
 
@@ -79,7 +79,8 @@ def largest_fitting(config, shards, compile_train) -> dict:
 
 
 def report(config, devices, topology) -> dict:
-  """The report of `config`'s train and evaluation steps on `devices`, the compile-only devices of `topology`."""
+  """The report of `config`'s train, evaluation and decoding steps on `devices`, the compile-only devices of
+  `topology`."""
   mesh = sharding.make_mesh(config, devices)
   layout, lowered = compile_fields.lower_train(config, mesh)
   shards, hbm = sharding.shards(config, "batch", dict(mesh.shape)), tpu_topology.hbm_bytes(devices[0])
@@ -87,8 +88,10 @@ def report(config, devices, topology) -> dict:
          "libtpu": tpu_topology.libtpu_version(), **compile_fields.layout_fields(config, mesh, layout),
          "seq_len": config.data.seq_len, "rows_per_device": config.train.batch_size // shards,
          "grad_accum": config.train.grad_accum, **compile_step(lowered, hbm)}
-  out["eval"] = {"rows_per_device": config.train.batch_size * config.train.grad_accum // shards,
-                 **compile_step(compile_fields.lower_eval(config, mesh, layout), hbm)}
+  rows = config.train.batch_size * config.train.grad_accum // shards
+  out["eval"] = {"rows_per_device": rows, **compile_step(compile_fields.lower_eval(config, mesh, layout), hbm)}
+  out["decode"] = {"rows_per_device": rows, "slots": config.model.max_seq_len,
+                   **compile_step(compile_fields.lower_decode(config, mesh, layout), hbm)}
   if not out["fits"]:
     train = lambda c: compile_step(compile_fields.lower_train(c, sharding.make_mesh(c, devices))[1], hbm)
     search = largest_fitting(config, shards, train)
@@ -113,7 +116,8 @@ def _needs(step) -> str:
 
 
 def verdict(r) -> str:
-  """One line: whether the train step fits and, if not, the largest micro-batch that does; then the eval step."""
+  """One line: whether the train step fits and, if not, the largest micro-batch that does; then the evaluation and
+  decoding steps."""
   where = f"on {r['topology']} ({r['devices']} x {r['chip']}, {_gib(r['hbm_bytes'])} of HBM per device)"
   train = f"the train step at {_rows(r['rows_per_device'])} of {r['seq_len']} per device per micro-batch"
   if r["fits"]:
@@ -125,9 +129,11 @@ def verdict(r) -> str:
              f"the largest micro-batch that fits is {_rows(best['rows_per_device'])} per device "
              f"(--config.train.batch_size={best['batch_size']} --config.train.grad_accum={best['grad_accum']}: "
              f"{_needs({'fits': True, **best})})")
-  e = r["eval"]
+  e, d = r["eval"], r["decode"]
   return line + (f"; the evaluation step at {_rows(e['rows_per_device'])} per device "
-                 f"{'fits' if e['fits'] else 'does not fit'}: it needs {_needs(e)}")
+                 f"{'fits' if e['fits'] else 'does not fit'}: it needs {_needs(e)}; the decoding step (one token "
+                 f"of {_rows(d['rows_per_device'])} per device, {d['slots']} cache slots) "
+                 f"{'fits' if d['fits'] else 'does not fit'}: it needs {_needs(d)}")
 
 
 def list_chips() -> str:

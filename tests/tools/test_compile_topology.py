@@ -1,6 +1,6 @@
-"""`python -m moc_jax.compile_report --topology=NAME`: the train and evaluation steps compiled by the TPU compiler for
-a slice's compile-only devices on this CPU host (needs libtpu, the `tpu` extra; those tests skip without it), and,
-on their own, the micro-batch search, the reading of the compiler's output, and the refusal without libtpu."""
+"""`python -m moc_jax.compile_report --topology=NAME`: the train, evaluation and decoding steps compiled by the TPU
+compiler for a slice's compile-only devices on this CPU host (needs libtpu, the `tpu` extra; those tests skip
+without it), and, on their own, the micro-batch search, the reading of the compiler's output, and the refusal without libtpu."""
 import json
 import os
 import subprocess
@@ -53,6 +53,12 @@ def test_a_micro_batch_too_large_is_one_line_naming_the_largest_that_fits(libtpu
   assert "the largest micro-batch that fits is 2 rows per device (--config.train.batch_size=8 " \
          "--config.train.grad_accum=2003: " in verdict
   assert "the evaluation step at 4006 rows per device does not fit" in verdict
+  decode = report["decode"]  # one token a row against a 256-slot cache: small beside a forward over every position
+  assert (decode["rows_per_device"], decode["slots"]) == (4006, 256) and decode["fits"]
+  assert decode["kernels"] == {"routed_chapter_attention_fwd": 1} and decode["xla"]["temp"] < report["hbm_bytes"]
+  assert verdict.endswith(f"the decoding step (one token of 4006 rows per device, 256 cache slots) fits: it needs "
+                          f"{decode['xla']['temp'] / 2**30:.2f} GiB of temporaries and "
+                          f"{decode['xla']['argument'] / 2**30:.2f} GiB of arguments")
 
 
 @pytest.mark.slow
@@ -68,6 +74,7 @@ def test_a_step_that_fits_reports_its_memory_and_kernels(libtpu):
   assert 0 < report["xla"]["temp"] < report["hbm_bytes"] and report["flops_per_device"] > 0
   assert report["hbm_margin_bytes"] > 0
   assert report["eval"]["fits"] and report["eval"]["kernels"] == {"routed_chapter_attention_fwd": 1}
+  assert report["decode"]["fits"] and report["decode"]["kernels"] == {"routed_chapter_attention_fwd": 1}
   assert "largest_fitting" not in report
   assert verdict.startswith("fits on v5e:2x2 (4 x TPU v5 lite, 15.75 GiB of HBM per device): the train step at 4 "
                             "rows of 128 per device per micro-batch needs ")
