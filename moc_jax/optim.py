@@ -126,6 +126,16 @@ def lazy_adamw_rows(g, m, v, count, p, read, lr, b1, b2, eps, weight_decay):
   return jnp.where(read, (p + update).astype(p.dtype), p), m, v, count
 
 
+def lazy_sgd_rows(g, m, v, count, p, read, lr, *hyper):
+  """`lazy_adamw_rows` with SGD's step (train.bank_rule=sgd): a read row moves by `lr` (the signed schedule LR)
+  times its gradient, with no moments and no weight decay, so nothing but the gradient of an update moves a row (the
+  rule sparse memory finetuning forgets least with); m and v stay as they are. -> (p, m, v, count)."""
+  del hyper
+  count = count + read.astype(count.dtype)
+  read = read.reshape(read.shape + (1,) * (g.ndim - read.ndim))
+  return jnp.where(read, (p + lr * g).astype(p.dtype), p), m, v, count
+
+
 class LazyBankState(NamedTuple):
   """The optimizer state of `bank_optimizer=lazy_adam | smf`: the other groups' (`rest`), the bank's lazy
   Adam state, and the updates taken (`count`: the schedule's step, as optax.scale_by_schedule counts)."""
@@ -167,6 +177,11 @@ class LazyBankOptimizer(NamedTuple):
   b2: float
   eps: float
   weight_decay: float
+  sgd: bool = False  # train.bank_rule=sgd: `lazy_sgd_rows` instead of `lazy_adamw_rows`
+
+  @property
+  def rows_step(self):
+    return lazy_sgd_rows if self.sgd else lazy_adamw_rows
 
   def init(self, params) -> LazyBankState:
     bank, rest = split_bank(params)
@@ -199,17 +214,17 @@ class LazyBankOptimizer(NamedTuple):
     (p,), treedef = jax.tree.flatten(tree)
     (n,), (m,), (v,) = (jax.tree.leaves(x) for x in state.bank)
     if isinstance(bank_grad, (list, tuple)):
-      p, m, v, n = _sparse_step(bank_grad, p, m, v, n, read, ok, lr, hyper)
+      p, m, v, n = _sparse_step(self.rows_step, bank_grad, p, m, v, n, read, ok, lr, hyper)
     else:
-      new = lazy_adamw_rows(bank_grad, m, v, n, p, read, lr, *hyper)
+      new = self.rows_step(bank_grad, m, v, n, p, read, lr, *hyper)
       p, m, v, n = (keep(a, b) for a, b in zip(new, (p, m, v, n)))
     bank = LazyAdamState(*(jax.tree.unflatten(jax.tree.structure(x), [y]) for x, y in zip(state.bank, (n, m, v))))
     params = nnx.merge_state(rest, treedef.unflatten([p]))
     return params, LazyBankState(rest_state, bank, state.count + ok.astype(state.count.dtype))
 
 
-def _sparse_step(rows, p, m, v, n, read, ok, lr, hyper):
-  """`lazy_adamw_rows` on the named rows of each bank: gather, step, scatter back (slots naming chapter C
+def _sparse_step(rows_step, rows, p, m, v, n, read, ok, lr, hyper):
+  """`rows_step` (`lazy_adamw_rows` or `lazy_sgd_rows`) on the named rows of each bank: gather, step, scatter back (slots naming chapter C
   read nothing and write nothing); `read` None steps every row named. Moments and counts in host memory (`train.bank_state_memory=pinned_host`)
   are read and written there, row by row (`_host_take`, `_host_put`)."""
   host = _in_host_memory(m)
@@ -223,7 +238,7 @@ def _sparse_step(rows, p, m, v, n, read, ok, lr, hyper):
       state = [take(m), take(v), take(n)]
     old = (take(p), *state)
     named = r.ids < p.shape[1] if read is None else take(read, False)
-    new = lazy_adamw_rows(r.values, old[1], old[2], old[3], old[0], named, lr, *hyper)
+    new = rows_step(r.values, old[1], old[2], old[3], old[0], named, lr, *hyper)
     new = [jnp.where(ok, a, o) for a, o in zip(new, old)]
     p = p.at[b, r.ids].set(new[0], mode="drop")
     if host:  # the empty slots write slot 0's row (so every write to that row carries the same value)
@@ -286,16 +301,20 @@ def chapters_read(load, bank_ids, num_shared, chapters):
   return jnp.pad(read, ((0, 0), (0, chapters - load.shape[-1])))
 
 
-def smf_chapters(read, bank_ids, idf, top_t, chapters):
+def smf_chapters(read, bank_ids, idf, top_t, chapters, rank="tfidf", key=None):
   """Sparse memory finetuning's chapter mask, bool [banks, chapters]: per bank the `top_t` chapters of highest
   TF-IDF score tf·idf, where tf [memory layers, C] is how much the update read each chapter (chapter weights
   summed over its decisions and micro-batches; `model.routing.read_weight`), summed over the layers reading the
   bank, and idf [banks, C] (`bank_background.idf`) is high for chapters pre-training rarely read. Ties (e.g.
   unread chapters at score 0 when fewer than top_t were read) go to the lower chapter id; the chapters padded
-  for sharding (`chapters` - C, at the end) are never chosen."""
+  for sharding (`chapters` - C, at the end) are never chosen. `rank` (train.smf_rank) names the method or one of
+  its controls: tf scores tf alone (no idf); random scores the chapters read by a uniform draw of `key` (the others
+  0, so a read chapter always ranks first)."""
   banks, c = idf.shape
   tf = jax.ops.segment_sum(read, jnp.asarray(bank_ids), num_segments=banks)
-  score = jnp.pad(tf * idf, ((0, 0), (0, chapters - c)), constant_values=-jnp.inf)
+  if rank == "random":
+    tf = jnp.where(tf > 0, jax.random.uniform(key, tf.shape, minval=1.0, maxval=2.0), 0.0)
+  score = jnp.pad(tf * (idf if rank == "tfidf" else 1.0), ((0, 0), (0, chapters - c)), constant_values=-jnp.inf)
   _, top = jax.lax.top_k(score, top_t)
   return jnp.zeros((banks, chapters), bool).at[jnp.arange(banks)[:, None], top].set(True)
 
@@ -309,10 +328,13 @@ class BankUpdate:
   `rule`: "frozen" (freeze_bank: the bank out of the optimizer, no gradient and no state; bank_lr=0 is not this,
   it keeps the bank's Adam state), "dense" (AdamW over every chapter, MoC-PT's), "lazy_adam" (AdamW over the
   chapters an update read) or "smf" (the same over the `top_t` chapters per bank the update read most against a
-  background). `state_memory`: the memory kind holding the lazy state off the device; None on the device."""
+  background). `state_memory`: the memory kind holding the lazy state off the device; None on the device. `step`
+  and `rank`: train.bank_rule and (smf) train.smf_rank."""
   rule: str
   top_t: int | None = None
   state_memory: str | None = None
+  step: str = "adamw"         # train.bank_rule: the row step of a lazy rule
+  rank: str | None = None     # train.smf_rank: smf's ranking (tfidf, or a control)
 
   @property
   def frozen(self) -> bool:
@@ -359,7 +381,8 @@ def bank_update(t) -> BankUpdate:
   rule = "frozen" if t["freeze_bank"] else kind
   memory = t["bank_state_memory"]
   return BankUpdate(rule, top_t=t["smf_top_t"] if rule == "smf" else None,
-                    state_memory=None if memory == "device" else memory)
+                    state_memory=None if memory == "device" else memory, step=t["bank_rule"],
+                    rank=t["smf_rank"] if rule == "smf" else None)
 
 
 def frozen_groups(t) -> tuple[str, ...]:
@@ -396,7 +419,7 @@ def make_optimizer(t, params):
   groups = optax.multi_transform(transforms, labels)
   if bank.lazy:
     return LazyBankOptimizer(groups, lambda s: -lrs["bank"] * lam(s), t.clip_norm, t.b1, t.b2, t.eps,
-                             wds["bank"])
+                             wds["bank"], sgd=bank.step == "sgd")
   chain = [optax.clip_by_global_norm(t.clip_norm)] if t.clip_norm > 0 else []
   return optax.chain(*chain, groups)
 

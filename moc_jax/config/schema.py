@@ -36,6 +36,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
 SCHEDULES = ("wsd", "cosine", "linear", "constant")
 BANK_OPTIMIZERS = ("dense", "lazy_adam", "smf")
+BANK_RULES = ("adamw", "sgd")
+SMF_RANKS = ("tfidf", "tf", "random")
 BANK_STATE_MEMORY = ("device", "pinned_host")
 DECAYING_SCHEDULES = ("wsd", "cosine", "linear")  # warm-up, hold until the decay start, decay
 LAYOUTS = ("pack", "pack_whole", "pad_truncate")
@@ -159,6 +161,12 @@ def base_config():
   # memory finetuning, lazy AdamW over the smf_top_t chapters the update reads most against a background (optim.py)
   t.bank_optimizer = "dense"
   t.smf_top_t = 8                # smf: chapters per bank each update moves
+  # lazy_adam / smf: the step of a row moved: adamw, or sgd (p -= lr·g: no moments, no weight decay; sparse memory
+  # finetuning's, which forgets less with it)
+  t.bank_rule = "adamw"
+  # smf: how the top-t are ranked: tfidf (the method), or its controls tf (no idf: the chapters read most) and
+  # random (t of the chapters the update read, drawn from the seed and the update's count)
+  t.smf_rank = "tfidf"
   # lazy_adam: where the bank's optimizer state (moments, per-chapter counts) lives; pinned_host keeps it in host
   # memory and moves only the rows an update reads (optim.LazyBankOptimizer)
   t.bank_state_memory = "device"

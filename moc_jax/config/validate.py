@@ -11,9 +11,10 @@ import jax
 
 from moc_jax.config.plan import (bank_ids, bank_shape, base_tables, layer_plan, memory_layers, router_factors,
                                  subtree_chapters)
-from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_STATE_MEMORY, CHAT_FORMATS, DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS,
-                                   LOAD_BALANCES, MEMORY_KINDS, PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS,
-                                   ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, TOKEN_NORMS, UPSCALE_COPIES,
+from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_RULES, BANK_STATE_MEMORY, CHAT_FORMATS,
+                                   DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS, LOAD_BALANCES, MEMORY_KINDS,
+                                   PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS, ROUTING_POOLS, ROUTINGS,
+                                   SCHEDULES, SHARDED_READS, SHARINGS, SMF_RANKS, TOKEN_NORMS, UPSCALE_COPIES,
                                    VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
@@ -293,6 +294,11 @@ def _validate_bank_optimizer(c):
   t = c.train
   _enum(c, "train.bank_optimizer", BANK_OPTIMIZERS)
   _enum(c, "train.bank_state_memory", BANK_STATE_MEMORY)
+  _enum(c, "train.bank_rule", BANK_RULES)
+  _enum(c, "train.smf_rank", SMF_RANKS)
+  if t.bank_rule != "adamw" and t.bank_optimizer == "dense":
+    _fail("train.bank_rule", f"{t.bank_rule!r} with train.bank_optimizer='dense': the rule is the lazy optimizers' "
+          "row step", "set train.bank_optimizer='lazy_adam' or 'smf', or leave train.bank_rule='adamw'")
   if t.bank_state_memory != "device" and t.bank_optimizer != "lazy_adam":
     _fail("train.bank_state_memory", f"{t.bank_state_memory!r} with train.bank_optimizer={t.bank_optimizer!r}: only "
           "lazy_adam's update reads the bank's optimizer state row by row", "set train.bank_optimizer='lazy_adam', "

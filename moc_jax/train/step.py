@@ -54,12 +54,13 @@ def _move_balance_bias(graphdef, params, load, mem, ok):
   return nnx.state(model, nnx.Param)
 
 
-def _row_mask(config, bank, params, stats, idf):
+def _row_mask(config, bank, params, stats, idf, step):
   """The rows a lazy `bank` update moves, bool [banks, rows] (padded for sharding: those rows are never read), or
   None: a product-key table's sparse gradient names them itself (`optim.LazyBankOptimizer.apply`)."""
   chapters = params["bank"]["memory"].shape[1]
   if bank.smf:
-    return smf_chapters(stats["router_read"], bank_ids(config), idf, bank.top_t, chapters)
+    key = jax.random.fold_in(jax.random.key(config.seed), step)  # smf_rank=random: a draw per update
+    return smf_chapters(stats["router_read"], bank_ids(config), idf, bank.top_t, chapters, bank.rank, key)
   if reads_chapters(config):
     return chapters_read(stats["router_load"], bank_ids(config), config.memory.num_shared, chapters)
   return None if "slots_read" not in stats else stats["slots_read"] > 0
@@ -186,7 +187,7 @@ def make_train_step(graphdef, tx, config, idf=None):
         rest_grads, bank_grad = without_bank(grads), grads["bank"]["memory"][...]
       grad_norm = tx.global_norm(rest_grads, bank_grad)
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      mask = _row_mask(config, bank, params, stats, idf)
+      mask = _row_mask(config, bank, params, stats, idf, state["step"])
       stats.pop("slots_read", None)  # bank-sized: not a metric
       new_params, opt_state = tx.apply(params, state["opt_state"], rest_grads, bank_grad, mask, grad_norm, ok)
       new = {"params": new_params, "opt_state": opt_state}

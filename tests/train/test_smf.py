@@ -1,8 +1,9 @@
 """`train.bank_optimizer=smf`: sparse memory finetuning over chapters.
 
-The TF-IDF choice against a numpy ranking on random counts; the background file's idf against its formula and
-its refusals; the read weights against a loop; through the real jitted train step, chapters outside the top-t
-keep their bank values and optimizer state bit for bit; with top-t = every chapter, SMF is the dense update.
+The TF-IDF choice against a numpy ranking on random counts, and its controls (`smf_rank` tf and random); the
+background file's idf against its formula and its refusals; the read weights against a loop; through the real
+jitted train step, chapters outside the top-t keep their bank values and optimizer state bit for bit, and with
+`bank_rule=sgd` the top-t move by exactly -lr x their gradient; with top-t = every chapter, SMF is the dense update.
 """
 import json
 
@@ -46,6 +47,59 @@ def test_tf_idf_choice_equals_numpy_on_random_counts():
     want = numpy_smf_mask(read.astype(np.float64), (0, 1, 0), idf.astype(np.float64), top_t, 13)
     np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
     assert not got[:, c:].any()  # padded chapters never
+
+
+def test_the_controls_rank_by_tf_alone_or_draw_among_the_chapters_read():
+  """tf: numpy's ranking with idf 1 (the shared chapter, read by everything, ranks first). random: t of the chapters
+  read (all of them when fewer), the same draw for the same key, another for another key."""
+  rng = np.random.default_rng(5)
+  read = (rng.random((2, 20)) * (rng.random((2, 20)) < 0.5)).astype(np.float32)
+  read[:, 0] = 5.0  # the shared chapter
+  idf = rng.random((1, 20)).astype(np.float32)
+  idf[0, 0] = 0.0
+  tf = np.asarray(optim.smf_chapters(jnp.asarray(read), (0, 0), jnp.asarray(idf), 4, 22, "tf"))
+  np.testing.assert_array_equal(tf, numpy_smf_mask(read.astype(np.float64), (0, 0), np.ones((1, 20)), 4, 22))
+  assert tf[0, 0] and not np.asarray(optim.smf_chapters(jnp.asarray(read), (0, 0), jnp.asarray(idf), 4, 22))[0, 0]
+  was_read = read.sum(0) > 0
+  draws = [np.asarray(optim.smf_chapters(jnp.asarray(read), (0, 0), jnp.asarray(idf), 4, 22, "random",
+                                         jax.random.key(k)))[0] for k in (0, 0, 1, 2, 3)]
+  for d in draws:
+    assert d.sum() == 4 and was_read[d[:20]].all() and not d[20:].any()
+  assert (draws[0] == draws[1]).all() and any((d != draws[0]).any() for d in draws[2:])
+  few = np.zeros((1, 20), np.float32)
+  few[0, [3, 7]] = 1.0
+  assert np.flatnonzero(np.asarray(optim.smf_chapters(jnp.asarray(few), (0,), jnp.asarray(idf), 2, 20, "random",
+                                                      jax.random.key(9)))[0]).tolist() == [3, 7]
+
+
+def test_sgd_moves_the_top_t_by_the_gradient_alone():
+  """bank_rule=sgd through the real train step (two updates): chapters outside numpy's top-3 keep value and state
+  bit for bit; the top-3 move by exactly -lr x gradient (the gradient of the same batch taken here, unclipped),
+  with no moments, while the counts still count the updates."""
+  from moc_jax.losses import lm_loss
+  from flax import nnx
+  c = 65
+  idf = np.random.default_rng(2).random((2, c)).astype(np.float32)
+  overrides = {"train.bank_optimizer": "smf", "train.smf_top_t": 3, "train.bank_rule": "sgd",
+               "train.clip_norm": 0.0, "train.warmup_steps": 0, "train.schedule": "constant",
+               "train.bank_lr": 0.5, "train.base_lr": 0.0, "train.memory_lr": 0.0}
+  config, init, history = train(overrides, idf, 2)
+  model = moc_jax.build_model(config)
+  graphdef = nnx.graphdef(model)
+  before, counts = init["params"], bank_leaf(lazy_state(init["opt_state"]).count)
+  for s, (state, metrics) in enumerate(history):
+    mask = numpy_smf_mask(metrics["router_read"].astype(np.float64), bank_ids(config), idf.astype(np.float64), 3, c)
+    batch = random_batch(config, s)
+    micro = jax.tree.map(lambda x: x.reshape(2, -1, *x.shape[1:]), batch)
+    grad = np.mean([np.asarray(jax.grad(lambda p, b: lm_loss(nnx.merge(graphdef, p), b, train=True)[0])(
+        before, jax.tree.map(lambda x, i=i: x[i], micro))["bank"]["memory"][...]) for i in range(2)], axis=0)
+    old, new = bank_leaf(before["bank"]), bank_leaf(state["params"]["bank"])
+    assert old[~mask].tobytes() == new[~mask].tobytes()
+    np.testing.assert_allclose(new[mask], old[mask] - 0.5 * grad[mask], rtol=1e-5, atol=1e-7)
+    lazy = lazy_state(state["opt_state"])
+    assert not bank_leaf(lazy.mu).any() and not bank_leaf(lazy.nu).any()
+    np.testing.assert_array_equal(bank_leaf(lazy.count) - counts, mask)
+    before, counts = state["params"], bank_leaf(lazy.count)
 
 
 def test_idf_follows_its_formula_and_bad_files_are_refused(tmp_path):
@@ -151,6 +205,10 @@ def test_config_refuses_smf_without_background_or_with_a_bad_top_t():
                                                 "train.init_from": "runs/x"})
   with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.bank_optimizer: 'smf' with train\.freeze_bank"):
     moc_jax.load_config("configs/moc.py:tiny", {"train.bank_optimizer": "smf", "train.freeze_bank": True})
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.bank_rule: 'sgd' with train\.bank_optimizer='dense'"):
+    moc_jax.load_config("configs/moc.py:tiny", {"train.bank_rule": "sgd"})
+  with pytest.raises(moc_jax.ConfigError, match=r"config\.train\.smf_rank: "):
+    moc_jax.load_config("configs/moc.py:tiny", {"train.smf_rank": "idf"})
 
 
 def test_background_counts_per_bank_sum_the_layers_reading_it():
