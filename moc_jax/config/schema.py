@@ -253,6 +253,10 @@ def data_config() -> config_dict.ConfigDict:
   # mixed (2-4 facts per document, in sentences) | biography (every attribute of one entity in one short line;
   # with zipf_a = 0 and many documents per entity: a store sized against the backbone's capacity, data/facts.py)
   f.style = "mixed"
+  # shuffled (each training document's entity drawn Zipf(zipf_a)) | stream (entity 0's num_docs / num_entities
+  # documents, then entity 1's, ...: with data.shuffle=False and one document a row, an update of that many rows
+  # teaches one new entity, its facts in paraphrases: the retention study's stream)
+  f.order = "shuffled"
   return c
 
 

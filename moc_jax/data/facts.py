@@ -4,7 +4,8 @@ Fictional entities (names built from syllables) get one value per attribute (bir
 profession, ...); entities are drawn Zipf(a) across documents (a = 0: uniformly). What a document holds is the
 corpus's `style`:
   mixed       2-4 facts about one entity, each through a paraphrase template: a few entities are seen
-              thousands of times and most rarely or never — the long tail a memory bank should help with;
+              thousands of times and most rarely or never — the long tail a memory bank should help with
+              (`order=stream`: the entities in turn, each in a block of as many documents: a stream of new facts);
   biography   every attribute of one entity in a compact line ("Talo Venrik: job baker; city Aldergate; ..."),
               in a random order, short enough for one row: with many documents per entity, a store sized
               by its bits of facts (`fact_bits`) against what a backbone can hold.
@@ -110,6 +111,7 @@ ATTRIBUTES = {
 _ATTRS = tuple(ATTRIBUTES)
 NUM_TRAIN_TEMPLATES = 4
 STYLES = ("mixed", "biography")
+ORDERS = ("shuffled", "stream")
 # biography: each attribute's key in the compact line; "{name}: {key}" is the attribute's cloze prompt
 BIOGRAPHY_KEYS = {"birth_city": "city", "birth_year": "year", "profession": "job", "employer": "employer",
                   "colour": "colour", "instrument": "plays", "sport": "sport", "food": "food", "pet": "pet"}
@@ -128,6 +130,7 @@ class MocFactsConfig(tfds.core.BuilderConfig):
   probes_per_fact: int
   num_candidates: int
   style: str
+  order: str
 
   @classmethod
   def for_sizes(cls, facts) -> "MocFactsConfig":
@@ -136,6 +139,8 @@ class MocFactsConfig(tfds.core.BuilderConfig):
             "_c{num_candidates}").format(**fields)
     if fields["style"] != "mixed":  # the mixed corpus keeps the cache name it always had
       name += f"_{fields['style']}"
+    if fields["order"] != "shuffled":  # and the shuffled one too
+      name += f"_{fields['order']}"
     return cls(name=name, description="moc_facts with " + name, **fields)
 
 
@@ -160,6 +165,9 @@ def _check(cfg: MocFactsConfig):
       ("num_val_docs", cfg.num_val_docs >= 1, "use >= 1"),
       ("zipf_a", cfg.zipf_a >= 0, "use >= 0 (0: every entity equally often)"),
       ("style", cfg.style in STYLES, f"use one of {list(STYLES)}"),
+      ("order", cfg.order in ORDERS, f"use one of {list(ORDERS)}"),
+      ("num_docs", cfg.order != "stream" or cfg.num_docs % cfg.num_entities == 0,
+       f"use a multiple of num_entities={cfg.num_entities} with order='stream' (as many documents per entity)"),
       ("probes_per_fact", 1 <= cfg.probes_per_fact <= (NUM_TRAIN_TEMPLATES if cfg.style == "mixed" else 1),
        "use 1..4 (biography: 1, its one prompt per attribute)"),
       ("num_candidates", 2 <= cfg.num_candidates <= smallest, f"use 2..{smallest}"),
@@ -210,7 +218,10 @@ def _rngs(cfg):
 
 
 def _picks(cfg, split, n, rng=None):
-  """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1)."""
+  """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1); the training
+  split of a `stream` corpus holds n / num_entities documents of entity 0, then as many of entity 1, ..."""
+  if cfg.order == "stream" and split == "train":
+    return [e for e in range(cfg.num_entities) for _ in range(n // cfg.num_entities)]
   weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))
   rng = rng or _rngs(cfg)[{"train": 2, "validation": 3}[split]]
   return rng.choices(range(cfg.num_entities), cum_weights=weights, k=n)
@@ -262,7 +273,6 @@ class MocFacts(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.1.0")
   RELEASE_NOTES = {"1.1.0": "validation uses the training templates; held-out wording moved to `paraphrase`."}
-  disable_shuffling = True  # records stay in generation order; the pipeline shuffles
 
   @tfds.core.utils.classproperty
   @classmethod
@@ -272,9 +282,12 @@ class MocFacts(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     text = tfds.features.Text()
+    # TFDS writes the records in an order hashed from their keys; a stream keeps generation order (the pipeline
+    # reads it in order with data.shuffle=False), the other corpora keep the order they were always written in
     return tfds.core.DatasetInfo(
         builder=self,
         description=__doc__,
+        disable_shuffling=self.builder_config.order == "stream",
         features=tfds.features.FeaturesDict({
             "text": text, "entity": text, "entity_rank": np.int32, "doc_count": np.int32,
             "attribute": text, "prompt": text, "answer": text, "candidates": tfds.features.Sequence(text),

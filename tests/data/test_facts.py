@@ -143,3 +143,17 @@ def test_biographies_hold_every_fact_in_one_row():
 def test_bad_biography_fields_are_one_error(field, value):
   with pytest.raises(DataError, match=rf"config.data.facts.{field}="):
     generate(MocFactsConfig.for_sizes(biography(**{field: value})))
+
+
+def test_a_stream_teaches_one_entity_per_block_of_documents():
+  """order=stream: entity 0's 5 documents, then entity 1's, ...: each about its own entity; the other splits and
+  the probes are the shuffled corpus's; a count that does not divide is refused by name."""
+  corpus = generate(MocFactsConfig.for_sizes(tiny_facts(order="stream", num_docs=300)))
+  ranks = [d["entity_rank"] for d in corpus["train"]]
+  assert ranks == [e + 1 for e in range(60) for _ in range(5)]
+  assert all(d["text"].count(d["entity"]) >= 2 for d in corpus["train"])  # 2-4 facts, each naming the entity
+  shuffled = generate(MocFactsConfig.for_sizes(tiny_facts(num_docs=300)))
+  assert corpus["probes"] == [{**p, "doc_count": 5} for p in shuffled["probes"]]
+  assert corpus["validation"] == [{**d, "doc_count": 5} for d in shuffled["validation"]]
+  with pytest.raises(DataError, match=r"config.data.facts.num_docs=301 is invalid: use a multiple of num_entities"):
+    generate(MocFactsConfig.for_sizes(tiny_facts(order="stream", num_docs=301)))

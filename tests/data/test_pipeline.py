@@ -282,3 +282,17 @@ def test_missing_dataset_is_one_clear_error(tmp_path, name, words):
 def test_invalid_config_fields(data_dir, field, value):
   with pytest.raises(DataError, match=f"config.data.{field}"):
     make_train_iterator(_config(data_dir, **{field: value}))
+
+
+def test_a_stream_read_in_order_gives_each_update_one_entity(tmp_path):
+  """facts.order=stream, data.shuffle=False, one document a row: batch k holds entity k's documents, in order."""
+  c = _config(str(tmp_path), layout="pad_truncate", shuffle=False, seq_len=256)
+  c.facts.update(order="stream", num_docs=FACTS["num_entities"] * 4)
+  names = [d["entity"] for d in facts_builder(c.facts, c.data_dir).as_data_source("train")]
+  it = make_train_iterator(c)
+  for k in range(5):
+    batch = next(it)
+    texts = [BYTE.decode([t for t in row if t < 256]) for row in batch["input_ids"]]
+    entity = names[4 * k].decode()
+    assert all(t.startswith(entity) or f" {entity}" in t for t in texts), (k, texts)
+    assert names[4 * k: 4 * k + 4] == [entity.encode()] * 4
