@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -151,6 +152,29 @@ class _Scorer:
 def forgetting(before, after, chance) -> float:
   """The share of phase 1's recall above chance that phase 2 lost (NaN when phase 1 learnt nothing)."""
   return (before - after) / (before - chance) if before > chance else float("nan")
+
+
+def pareto_front(points) -> list[tuple[float, float]]:
+  """(learning, forgetting) points of one family's sweep -> its front: the points no other point beats on both
+  (more learning and less forgetting), in order of learning. NaN points are dropped."""
+  front = []
+  for learn, forget in sorted((p for p in points if not any(map(math.isnan, p))), key=lambda p: (-p[0], p[1])):
+    if not front or forget < front[-1][1]:
+      front.append((learn, forget))
+  return front[::-1]
+
+
+def forgetting_at(points, learning, tolerance=0.1) -> float | None:
+  """The forgetting a family's sweep reaches at `learning` (matched learning): linear along its `pareto_front`
+  between the two front points whose learning brackets it; the least forgetting of its points that learn at least
+  (1 - tolerance) x `learning` when its front ends below `learning`; None when none of them does (the family cannot
+  learn that much)."""
+  front = pareto_front(points)
+  for (l0, f0), (l1, f1) in zip(front, front[1:]):
+    if l0 <= learning <= l1:
+      return f0 + (f1 - f0) * (learning - l0) / (l1 - l0) if l1 > l0 else min(f0, f1)
+  close = [f for l, f in front if l >= (1 - tolerance) * learning]
+  return min(close) if close else None
 
 
 def summarise(rows) -> list[dict]:

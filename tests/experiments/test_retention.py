@@ -33,3 +33,19 @@ def test_summary_means_and_standard_errors_over_seeds():
   assert y["forgetting"] == 0 and math.isnan(y["forgetting_se"])
   table = retention.markdown([x, y])
   assert table.count("\n") == 3 and "| x | 3 | 0.750 ± 0.058 | 0.517 ± 0.017 |" in table
+
+
+def test_the_front_keeps_the_points_nothing_beats():
+  points = [(0.1, 0.05), (0.3, 0.2), (0.2, 0.3), (0.5, 0.6), (0.4, 0.1), (0.45, float("nan"))]
+  assert retention.pareto_front(points) == [(0.1, 0.05), (0.4, 0.1), (0.5, 0.6)]
+
+
+def test_matched_learning_interpolates_along_the_front():
+  """Learning 0.45 lies between front points (0.4, 0.1) and (0.5, 0.6): forgetting 0.35 by hand. Beyond the front's
+  reach: its least forgetting among points within 10% of the level, or None."""
+  points = [(0.1, 0.05), (0.3, 0.2), (0.4, 0.1), (0.5, 0.6)]
+  assert math.isclose(retention.forgetting_at(points, 0.45), 0.35)
+  assert math.isclose(retention.forgetting_at(points, 0.4), 0.1)
+  assert retention.forgetting_at(points, 0.55) == 0.6  # 0.5 >= 0.9 x 0.55
+  assert retention.forgetting_at(points, 0.6) is None
+  assert retention.forgetting_at(points, 0.05) == 0.05  # below the front: its least forgetting that learns as much
