@@ -177,6 +177,23 @@ def forgetting_at(points, learning, tolerance=0.1) -> float | None:
   return min(close) if close else None
 
 
+FULL_FINETUNING = "MoC, bank LR = memory LR"  # the reference learning the other arms are matched to
+
+
+def matched(summary, reference=FULL_FINETUNING) -> str:
+  """A markdown line per arm: its forgetting at the reference arm's learning of B (`forgetting_at` over the arm's
+  seeds as its points), or that it does not learn as much."""
+  ref = next((r for r in summary if r["arm"] == reference), None)
+  if ref is None:
+    return ""
+  lines = [f"At matched learning of B ({reference}: {ref['learning']:.3f} above chance; within 10%):", ""]
+  for r in summary:
+    points = list(zip(r["per_run"]["learning"], r["per_run"]["forgetting"]))
+    f = forgetting_at(points, ref["learning"])
+    lines.append(f"- {r['arm']}: " + ("does not learn as much" if f is None else f"forgetting {f:.3f}"))
+  return "\n".join(lines)
+
+
 def summarise(rows) -> list[dict]:
   """rows: one per finetuning run {arm, seed, before: scores, after: scores} -> one per arm, mean and SE."""
   arms = {}
@@ -191,7 +208,7 @@ def summarise(rows) -> list[dict]:
         "exact_B_after": [r["after"]["exact_B"] for r in runs], "ce_A_after": [r["after"]["ce_A"] for r in runs],
         "forgetting": [forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance) for r in runs],
         "learning": [r["after"]["recall_B"] - chance for r in runs]}
-    row = {"arm": arm, "seeds": len(runs)}
+    row = {"arm": arm, "seeds": len(runs), "per_run": per_run}
     for k, v in per_run.items():
       row[k], row[k + "_se"] = mean_and_se(v)
     out.append(row)
@@ -214,7 +231,8 @@ def markdown(summary) -> str:
 
 def write_csv(summary, path):
   with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")])
+    writer = csv.DictWriter(f, ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")],
+                            extrasaction="ignore")
     writer.writeheader()
     writer.writerows(summary)
 
@@ -255,7 +273,7 @@ def run(out, spec, quick, parallel) -> list[dict]:
            "after": scorer(os.path.join(fine_dir, p.name))} for p in finetune]
   summary = summarise(rows)
   with open(os.path.join(out, "retention.md"), "w") as f:
-    f.write(markdown(summary) + "\n")
+    f.write(markdown(summary) + "\n\n" + matched(summary) + "\n")
   write_csv(summary, os.path.join(out, "retention.csv"))
   with open(os.path.join(out, "retention_runs.json"), "w") as f:
     json.dump(rows, f, indent=1)

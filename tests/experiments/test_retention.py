@@ -49,3 +49,16 @@ def test_matched_learning_interpolates_along_the_front():
   assert retention.forgetting_at(points, 0.55) == 0.6  # 0.5 >= 0.9 x 0.55
   assert retention.forgetting_at(points, 0.6) is None
   assert retention.forgetting_at(points, 0.05) == 0.05  # below the front: its least forgetting that learns as much
+
+
+def test_each_arm_is_matched_to_full_finetunings_learning():
+  """Full finetuning learns 0.3 above chance on average; an arm whose seeds learn 0.2 and 0.4 (forgetting 0.1 and
+  0.3) forgets 0.2 there; one that learns 0.1 does not learn as much."""
+  def rows(arm, pairs):
+    return [{"arm": arm, "seed": s, "before": scores(0.75, 0.25), "after": scores(0.75 - f * 0.5, 0.25 + l)}
+            for s, (l, f) in enumerate(pairs)]
+  summary = retention.summarise(rows(retention.FULL_FINETUNING, [(0.3, 0.8), (0.3, 0.8)])
+                                + rows("smf", [(0.2, 0.1), (0.4, 0.3)]) + rows("weak", [(0.1, 0.0)]))
+  text = retention.matched(summary)
+  assert "- smf: forgetting 0.200" in text and "- weak: does not learn as much" in text
+  assert f"- {retention.FULL_FINETUNING}: forgetting 0.800" in text
