@@ -240,6 +240,10 @@ def data_config() -> config_dict.ConfigDict:
   # probability, a fixed set of generic chapters (as many as a path's, after the tree's in the bank) instead of its
   # path's; evaluation reports CE and recall with every document on the generic set beside its fetched one. 0: none
   cl.generic = 0.0
+  # a tree saved by another run's data (a path to its .npz, e.g. the pre-training corpus's in
+  # <data_dir>/cluster_trees/) used as it is instead of one fitted on this dataset: a model keeps the tree it learned
+  # its chapters by when it reads new data (the retention study's phase 2). None: this dataset's
+  cl.tree = config_dict.placeholder(str)
 
   # the moc_facts corpus: these are its only defaults (data/facts.py's MocFactsConfig is built from them)
   f = c.facts = config_dict.ConfigDict()

@@ -26,6 +26,7 @@ import numpy as np
 from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.data.cluster_tree import Embedder, Tree, build_tree
 from moc_jax.data.sources import data_dir, open_source, read_manifest
+from moc_jax.errors import DataError
 
 log = logging.getLogger("moc_jax")
 
@@ -121,12 +122,28 @@ def index_path(config_data, tokenizer) -> str:
   return os.path.join(data_dir(config_data), "cluster_trees", f"{slug}-k{c.k}-l{c.levels}-s{c.seed}-{digest}.npz")
 
 
+def _given_tree(c) -> ClusterIndex:
+  """`data.cluster.tree`: the saved index it names, which must have the config's k and levels."""
+  path = os.path.expanduser(c.tree)
+  try:
+    index = ClusterIndex.load(path)
+  except (OSError, ValueError, KeyError) as e:
+    raise DataError(f"config.data.cluster.tree={c.tree!r} is not a saved cluster tree ({type(e).__name__}) — "
+                    "name a .npz of <data_dir>/cluster_trees/, or leave it None to fit one on this dataset") from None
+  if (index.tree.k, index.levels) != (c.k, c.levels):
+    raise DataError(f"config.data.cluster.tree={c.tree!r} is a tree of k={index.tree.k}, {index.levels} levels, "
+                    f"and the config asks k={c.k}, {c.levels} — set data.cluster.k and levels to the tree's")
+  return index
+
+
 def cluster_index(config_data, tokenizer) -> ClusterIndex | None:
-  """The dataset's cluster index (loaded from the cache, or fitted on the training split and cached), or None when
-  `data.cluster.k` is 0."""
+  """The dataset's cluster index (loaded from the cache, or fitted on the training split and cached; or the tree
+  `data.cluster.tree` names), or None when `data.cluster.k` is 0."""
   c = config_data.cluster
   if not c.k:
     return None
+  if c.tree:
+    return _given_tree(c)
   path = index_path(config_data, tokenizer)
   if os.path.isfile(path):
     return ClusterIndex.load(path)

@@ -159,6 +159,24 @@ def test_index_save_and_load_keep_its_paths(data_dir, tmp_path):
   np.testing.assert_array_equal(back(texts), index(texts))
 
 
+def test_a_given_tree_is_used_as_it_is_on_other_data(data_dir, tmp_path):
+  """data.cluster.tree: corpus B (facts seed 1) traversed by corpus A's tree, no tree fitted on B; a tree of other
+  k or levels, and a file that is no tree, are one DataError naming the field."""
+  tree_a = index_path(_config(data_dir), BYTE)
+  index_a = cluster_index(_config(data_dir), BYTE)
+  b = _config(data_dir, cluster={"tree": tree_a})
+  b.facts.seed = 1
+  texts = [f"entity {i} was born in Karsk and works as a baker" for i in range(20)]
+  np.testing.assert_array_equal(cluster_index(b, BYTE)(texts), index_a(texts))
+  assert not os.path.exists(index_path(_config(data_dir, facts={**b.facts.to_dict(), "seed": 1}), BYTE))
+  with pytest.raises(DataError, match=r"config.data.cluster.tree=.* is a tree of k=4, 2 levels, and the config asks "
+                                      r"k=8, 2"):
+    cluster_index(_config(data_dir, cluster={"tree": tree_a, "k": 8}), BYTE)
+  (tmp_path / "bad.npz").write_text("no tree")
+  with pytest.raises(DataError, match=r"config.data.cluster.tree=.* is not a saved cluster tree"):
+    cluster_index(_config(data_dir, cluster={"tree": str(tmp_path / "bad.npz")}), BYTE)
+
+
 def test_a_word_the_corpus_never_had_weighs_nothing():
   embed = Embedder.fit(["red apple", "green apple", "red pear"], dim=32)
   np.testing.assert_array_equal(embed(["red zzz qqq"]), embed(["red"]))
