@@ -218,28 +218,47 @@ def _bank_lr(c):
   return _seeds([{"train.bank_lr": float(f"{m * c.train.memory_lr:.6g}")} for m in BANK_LR_MULTIPLES])
 
 
-# Retention (docs/retention.md, `python -m moc_jax.retention`): pre-train on facts A, finetune on new facts B.
-RETENTION_FACTS = {"data.facts.num_entities": 32, "data.facts.zipf_a": 0.5}  # facts A; B: the same sizes, seed 1
-RETENTION_MOC = {"memory.load_balance": "routed", "memory.routing": "segment"}  # the best router of docs/routing.md
+# Retention (docs/retention.md, `python -m experiments.retention`): pre-train on facts A until they are known, then
+# learn new facts B one entity per update, every arm swept over its rate (and SMF's t), compared at matched learning.
+RETENTION_FACTS = {"data.facts.num_entities": 32, "data.facts.zipf_a": 0.5}  # facts A
+# facts B: 16 new entities streamed one an update, each in 16 paraphrased documents, one a row, at a constant rate
+RETENTION_STREAM = {"data.facts.seed": 1, "data.facts.order": "stream", "data.facts.zipf_a": 0.0,
+                    "data.facts.num_entities": 16, "data.facts.num_docs": 256, "data.shuffle": False,
+                    "data.layout": "pad_truncate", "train.batch_size": 16, "train.grad_accum": 1,
+                    "train.schedule": "constant", "train.warmup_steps": 0}  # the harness runs 16 steps: the stream
+RETENTION_LRS = (3e-5, 1e-4, 3e-4, 1e-3)  # full finetuning and the memory alone (AdamW)
+RETENTION_SGD = (1.0, 3.0, 10.0)          # sparse memory finetuning: SGD on the chosen chapters
+RETENTION_T = (1, 2, 4, 8)                # ... its chapters per update
+FROZEN_REST = {"train.base_lr": 0.0, "train.memory_lr": 0.0}
+
+
+def _retention_moc(c) -> dict:
+  """Phase 1's memory: fetched by the document's cluster path, the one whose bank holds a share of the facts on
+  tiny (docs/results/2026-11-27-cluster-routing-tiny.md)."""
+  return _cluster_arm(c)
 
 
 def _retention_pretrain(c):
-  """Phase 1: MoC and its iso-FLOP vanilla on facts A, 3 seeds."""
-  return _seeds([{**RETENTION_FACTS, **RETENTION_MOC},
+  """Phase 1: MoC and its iso-FLOP dense model on facts A, once per seed."""
+  return _seeds([{**RETENTION_FACTS, **_retention_moc(c)},
                  {**RETENTION_FACTS, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
 
 
 def _retention_finetune(c):
-  """Phase 2, from phase 1's weights (the harness adds train.init_from): facts B (new entities), every arm.
-  The vanilla and MoC with the bank at the memory LR, 0.1x, 0 and dropped from the optimizer all train every
-  other parameter; sparse memory finetuning trains only the top-t chapters (backbone and memory layers at LR 0)."""
-  facts_b = {**RETENTION_FACTS, "data.facts.seed": 1}
-  lr = c.train.memory_lr
-  moc = {**facts_b, **RETENTION_MOC}
-  return _seeds([{**facts_b, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}, moc,
-                 {**moc, "train.bank_lr": 0.1 * lr}, {**moc, "train.bank_lr": 0.0}, {**moc, "train.freeze_bank": True},
-                 {**moc, "train.bank_optimizer": "smf", "train.base_lr": 0.0, "train.memory_lr": 0.0,
-                  "train.bank_lr": lr}])
+  """Phase 2 from phase 1's weights (the harness adds train.init_from, and A's tree as data.cluster.tree): the
+  stream of facts B. Every arm a sweep: full finetuning of the dense model and of MoC at RETENTION_LRS; MoC's memory
+  alone (every chapter, AdamW; the rest at LR 0) at the same rates; sparse memory finetuning (the top-t chapters
+  by TF-IDF, SGD; the rest at LR 0) at RETENTION_T x RETENTION_SGD; its controls, t random chapters of those read
+  and the top-t by TF alone, at t = 4 and every SGD rate."""
+  moc = {**RETENTION_STREAM, **_retention_moc(c)}
+  dense = {**RETENTION_STREAM, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}
+  smf = {**moc, **FROZEN_REST, "train.bank_optimizer": "smf", "train.bank_rule": "sgd"}
+  points = [{**arm, "train.base_lr": lr, "train.memory_lr": lr} for arm in (dense, moc) for lr in RETENTION_LRS]
+  points += [{**moc, **FROZEN_REST, "train.bank_lr": lr} for lr in RETENTION_LRS]
+  points += [{**smf, "train.smf_top_t": t, "train.bank_lr": r} for t in RETENTION_T for r in RETENTION_SGD]
+  points += [{**smf, "train.smf_top_t": 4, "train.smf_rank": rank, "train.bank_lr": r} for rank in ("random", "tf")
+             for r in RETENTION_SGD]
+  return _seeds(points)
 
 
 def _kinds(c):

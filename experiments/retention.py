@@ -41,52 +41,80 @@ def define_flags():
   harness.define_flags("retention", "pretrain/, finetune/, the table and plot",
                        "retention_pretrain and retention_finetune define the arms")
 
-# The default size took 37 minutes on a 2-core CPU (docs/retention.md); quick about six.
+# The quick size runs one point of each arm's sweep (its second rate; t = 4), for CI.
 SIZES = {
-    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 300}, "finetune": {"train.steps": 100,
-                                                                                   "train.warmup_steps": 10}},
+    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 1800}, "finetune": {"train.steps": 16}},
     "quick": {"seeds": (0,), "shapes": {"data.seq_len": 32, "train.batch_size": 4, "train.eval_batches": 1,
                                         "data.facts.num_docs": 200, "data.facts.num_val_docs": 20},
-              "pretrain": {"train.steps": 4, "train.warmup_steps": 1},
-              "finetune": {"train.steps": 3, "train.warmup_steps": 1}},
+              "pretrain": {"train.steps": 4, "train.warmup_steps": 1}, "finetune": {"train.steps": 3},
+              "finetune_points": lambda o: (o.get("train.smf_top_t", 4) == 4
+                                            and o.get("train.bank_lr", o.get("train.base_lr")) in (1e-4, 3.0))},
 }
 SCORES = "retention_scores.json"
 
 
-def _phase(spec, sweep, size, extra, seeds, origin=None):
-  """The sweep's points at this size (steps, evaluation and checkpoint at the end only) for `seeds`; with
-  `origin` {(kind, seed): phase-1 workdir}, each point starts from its kind's weights of its seed."""
+def _phase(spec, sweep, size, extra, seeds, origin=None, keep=None):
+  """The sweep's points at this size (steps, evaluation and checkpoint at the end only) for `seeds` (and `keep`'s
+  overrides); with `origin` {(kind, seed): (phase-1 workdir, its cluster tree or None)}, each point starts from its
+  kind's weights of its seed and reads new documents by the tree those weights learned by."""
   from moc_jax.config import validate
   steps = extra["train.steps"]
   every = {"train.eval_every": steps, "train.checkpoint_every": steps, "train.log_every": max(1, steps // 10)}
   if origin:  # planned (and validated) with some init_from, then each point given its own
-    every["train.init_from"] = next(iter(origin.values()))
-  points = [p for p in plan(spec, sweep, {**size.get("shapes", {}), **extra, **every}) if p.config.seed in seeds]
+    every["train.init_from"] = next(iter(origin.values()))[0]
+  points = [p for p in plan(spec, sweep, base={**size.get("shapes", {}), **extra, **every})
+            if p.config.seed in seeds and (keep is None or keep(p.overrides))]
   for p in points if origin else ():
-    p.overrides["train.init_from"] = origin[(_kind(p.config), p.config.seed)]
+    workdir, tree = origin[(_kind(p.config), p.config.seed)]
+    p.overrides["train.init_from"] = workdir
+    if tree:
+      p.overrides["data.cluster.tree"] = tree
     p.config = resolve(spec, p.overrides)
     validate(p.config)
   return points
+
+
+def _tree(config):
+  """The cluster tree a phase-1 run read its documents by (its data's, cached), or None."""
+  if not config.data.cluster.k:
+    return None
+  from moc_jax.data.cluster_paths import index_path
+  from moc_jax.data.tokenizers import model_tokenizer
+  return index_path(config.data, model_tokenizer(config))
 
 
 def _kind(config) -> str:
   return "moc" if config.memory.enabled else "vanilla"
 
 
-def arm_label(config) -> str:
-  """The arm a finetuning run is, in words."""
+def family(config) -> str:
+  """The arm a finetuning run belongs to, in words: the points of one family differ only in its sweep's knob."""
   t = config.train
   if not config.memory.enabled:
-    return "iso-FLOP vanilla, full finetuning"
+    return "dense, full finetuning"
   bank = optim.bank_update(t)
+  frozen = t.base_lr == t.memory_lr == 0
   if bank.smf:
-    rest = "backbone and memory layers frozen" if t.base_lr == t.memory_lr == 0 else "the rest training"
-    return f"MoC, chapter SMF (top {bank.top_t}; {rest})"
+    rank = {"tfidf": "SMF (TF-IDF)", "tf": "SMF control: TF alone", "random": "SMF control: random chapters"}
+    return f"MoC, {rank[bank.rank]}, {bank.step.upper() if bank.step == 'sgd' else 'AdamW'}" + (
+        "" if frozen else ", the rest training")
   if bank.frozen:
     return "MoC, bank dropped from the optimizer"
-  if t.bank_lr is None:
-    return "MoC, bank LR = memory LR"
-  return "MoC, bank LR = 0 (frozen)" if t.bank_lr == 0 else f"MoC, bank LR {t.bank_lr / t.memory_lr:g}x"
+  if frozen:
+    return "MoC, the memory alone"
+  return "MoC, full finetuning" if t.bank_lr in (None, t.memory_lr) else f"MoC, bank LR {t.bank_lr / t.memory_lr:g}x"
+
+
+def knob(config) -> str:
+  """The point of its family's sweep: the rate (the bank's where only the bank trains) and SMF's t."""
+  t = config.train
+  bank = optim.bank_update(t)
+  lr = t.bank_lr if config.memory.enabled and t.base_lr == t.memory_lr == 0 else t.base_lr
+  return f"t {bank.top_t}, lr {lr:g}" if bank.smf else f"lr {lr:g}"
+
+
+def arm_label(config) -> str:
+  return f"{family(config)} ({knob(config)})"
 
 
 def _background(workdir):
@@ -177,20 +205,22 @@ def forgetting_at(points, learning, tolerance=0.1) -> float | None:
   return min(close) if close else None
 
 
-FULL_FINETUNING = "MoC, bank LR = memory LR"  # the reference learning the other arms are matched to
+FULL_FINETUNING = "MoC, full finetuning"  # the family whose best learning of B the others are matched to
 
 
 def matched(summary, reference=FULL_FINETUNING) -> str:
-  """A markdown line per arm: its forgetting at the reference arm's learning of B (`forgetting_at` over the arm's
-  seeds as its points), or that it does not learn as much."""
-  ref = next((r for r in summary if r["arm"] == reference), None)
-  if ref is None:
-    return ""
-  lines = [f"At matched learning of B ({reference}: {ref['learning']:.3f} above chance; within 10%):", ""]
+  """Markdown: the reference family's best mean learning of B, and each family's forgetting there (`forgetting_at`
+  over its points' means), or that it does not learn as much."""
+  families = {}
   for r in summary:
-    points = list(zip(r["per_run"]["learning"], r["per_run"]["forgetting"]))
-    f = forgetting_at(points, ref["learning"])
-    lines.append(f"- {r['arm']}: " + ("does not learn as much" if f is None else f"forgetting {f:.3f}"))
+    families.setdefault(r["family"], []).append((r["learning"], r["forgetting"]))
+  if reference not in families:
+    return ""
+  level = max(learn for learn, _ in families[reference])
+  lines = [f"At matched learning of B ({reference}'s best: {level:.3f} above chance; within 10%):", ""]
+  for name, points in families.items():
+    f = forgetting_at(points, level)
+    lines.append(f"- {name}: " + ("does not learn as much" if f is None else f"forgetting {f:.3f}"))
   return "\n".join(lines)
 
 
@@ -198,9 +228,9 @@ def summarise(rows) -> list[dict]:
   """rows: one per finetuning run {arm, seed, before: scores, after: scores} -> one per arm, mean and SE."""
   arms = {}
   for r in rows:
-    arms.setdefault(r["arm"], []).append(r)
+    arms.setdefault((r.get("family", r["arm"]), r["arm"]), []).append(r)
   out = []
-  for arm, runs in arms.items():
+  for (name, arm), runs in arms.items():
     chance = runs[0]["after"]["chance"]
     per_run = {
         "A_before": [r["before"]["recall_A"] for r in runs], "A_after": [r["after"]["recall_A"] for r in runs],
@@ -208,7 +238,7 @@ def summarise(rows) -> list[dict]:
         "exact_B_after": [r["after"]["exact_B"] for r in runs], "ce_A_after": [r["after"]["ce_A"] for r in runs],
         "forgetting": [forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance) for r in runs],
         "learning": [r["after"]["recall_B"] - chance for r in runs]}
-    row = {"arm": arm, "seeds": len(runs), "per_run": per_run}
+    row = {"family": name, "arm": arm, "seeds": len(runs), "per_run": per_run}
     for k, v in per_run.items():
       row[k], row[k + "_se"] = mean_and_se(v)
     out.append(row)
@@ -231,7 +261,7 @@ def markdown(summary) -> str:
 
 def write_csv(summary, path):
   with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, ["arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")],
+    writer = csv.DictWriter(f, ["family", "arm", "seeds"] + [x for k, _ in COLUMNS for x in (k, k + "_se")],
                             extrasaction="ignore")
     writer.writeheader()
     writer.writerows(summary)
@@ -241,10 +271,15 @@ def plot(summary, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, ax = plt.subplots(figsize=(7.5, 4.8))
+  families = {}
   for r in summary:
-    ax.errorbar(r["learning"], r["forgetting"], xerr=r["learning_se"], yerr=r["forgetting_se"], fmt="o",
-                capsize=3, label=r["arm"])
+    families.setdefault(r["family"], []).append(r)
+  for name, points in families.items():  # a family's sweep, its points in order of learning
+    points = sorted(points, key=lambda r: r["learning"])
+    ax.errorbar([r["learning"] for r in points], [r["forgetting"] for r in points],
+                xerr=[r["learning_se"] for r in points], yerr=[r["forgetting_se"] for r in points], fmt="o-",
+                capsize=3, label=name)
   ax.axhline(0, color="grey", lw=0.5)
   ax.set_xlabel("learning of B: B recall after phase 2 - chance")
   ax.set_ylabel("forgetting of A: share of A's recall above chance lost")
@@ -261,15 +296,15 @@ def run(out, spec, quick, parallel) -> list[dict]:
   pre_dir, fine_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
   pretrain = _phase(spec, "retention_pretrain", size, size["pretrain"], seeds)
   run_to_completion(pre_dir, spec, "retention_pretrain", pretrain, parallel, "retention")
-  origin = {(_kind(p.config), p.config.seed): os.path.join(pre_dir, p.name) for p in pretrain}
-  for (kind, _), workdir in origin.items():
+  origin = {(_kind(p.config), p.config.seed): (os.path.join(pre_dir, p.name), _tree(p.config)) for p in pretrain}
+  for (kind, _), (workdir, _) in origin.items():
     if kind == "moc":
       _background(workdir)
-  finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin)
+  finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin, size.get("finetune_points"))
   run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
   scorer = _Scorer(pretrain[0].config.data.facts.seed, finetune[0].config.data.facts.seed)
-  rows = [{"arm": arm_label(p.config), "seed": p.config.seed,
-           "before": scorer(origin[(_kind(p.config), p.config.seed)]),
+  rows = [{"family": family(p.config), "arm": arm_label(p.config), "seed": p.config.seed,
+           "before": scorer(origin[(_kind(p.config), p.config.seed)][0]),
            "after": scorer(os.path.join(fine_dir, p.name))} for p in finetune]
   summary = summarise(rows)
   with open(os.path.join(out, "retention.md"), "w") as f:

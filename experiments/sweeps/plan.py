@@ -8,6 +8,7 @@ Launching the points: experiments/sweeps/launch.py; what they reached: experimen
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 
@@ -46,9 +47,22 @@ def config_flags(overrides: dict) -> list[str]:
   return [f"--config.{k}={flag_value(v)}" for k, v in overrides.items()]
 
 
+MAX_NAME = 120  # a run's directory name, well inside a file system's 255 bytes
+
+
 def run_name(overrides: dict) -> str:
   """Deterministic from the overrides, in their order: `k8-bank1040`, `dense-mlp224`; `base` if none.
-  `memory.enabled=False` is `dense`; a field that follows another overridden one (_IMPLIED) is left out."""
+  `memory.enabled=False` is `dense`; a field that follows another overridden one (_IMPLIED) is left out. A name
+  longer than MAX_NAME keeps its head and its tail (where a sweep's knobs usually are) around a digest of the
+  whole, so it stays unique."""
+  name = _full_name(overrides)
+  if len(name) <= MAX_NAME:
+    return name
+  digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+  return f"{name[:40]}-{digest}-{name[-(MAX_NAME - 50):]}"
+
+
+def _full_name(overrides: dict) -> str:
   parts = []
   for key, value in overrides.items():
     if key == "memory.enabled" and value is False:

@@ -52,8 +52,8 @@ def test_matched_learning_interpolates_along_the_front():
 
 
 def test_each_arm_is_matched_to_full_finetunings_learning():
-  """Full finetuning learns 0.3 above chance on average; an arm whose seeds learn 0.2 and 0.4 (forgetting 0.1 and
-  0.3) forgets 0.2 there; one that learns 0.1 does not learn as much."""
+  """Full finetuning learns 0.3 above chance at best; a family of one point whose seeds learn 0.2 and 0.4
+  (forgetting 0.1 and 0.3) forgets 0.2 there on average; one that learns 0.1 does not learn as much."""
   def rows(arm, pairs):
     return [{"arm": arm, "seed": s, "before": scores(0.75, 0.25), "after": scores(0.75 - f * 0.5, 0.25 + l)}
             for s, (l, f) in enumerate(pairs)]
@@ -62,3 +62,26 @@ def test_each_arm_is_matched_to_full_finetunings_learning():
   text = retention.matched(summary)
   assert "- smf: forgetting 0.200" in text and "- weak: does not learn as much" in text
   assert f"- {retention.FULL_FINETUNING}: forgetting 0.800" in text
+
+
+def test_the_finetuning_sweep_is_six_families_of_points():
+  """Dense and MoC full finetuning and MoC's memory alone at 4 rates; SMF (TF-IDF, SGD) at t 1, 2, 4, 8 x 3 rates;
+  its two controls at t 4 x 3 rates; 3 seeds each. The quick size keeps one point of each family."""
+  import collections
+  from experiments.sweeps.plan import plan
+  points = [p for p in plan("configs/moc.py:tiny", "retention_finetune", {"train.init_from": "x"})
+            if p.config.seed == 0]
+  counts = collections.Counter(retention.family(p.config) for p in points)
+  assert counts == {"dense, full finetuning": 4, "MoC, full finetuning": 4, "MoC, the memory alone": 4,
+                    "MoC, SMF (TF-IDF), SGD": 12, "MoC, SMF control: random chapters, SGD": 3,
+                    "MoC, SMF control: TF alone, SGD": 3}
+  assert len(plan("configs/moc.py:tiny", "retention_finetune", {"train.init_from": "x"})) == 90
+  smf = [p.config for p in points if retention.family(p.config) == "MoC, SMF (TF-IDF), SGD"]
+  assert {(c.train.smf_top_t, c.train.bank_lr, c.train.base_lr, c.data.facts.order) for c in smf} == {
+      (t, r, 0.0, "stream") for t in (1, 2, 4, 8) for r in (1.0, 3.0, 10.0)}
+  assert retention.knob(smf[0]) == "t 1, lr 1"
+  keep = retention.SIZES["quick"]["finetune_points"]
+  assert sorted(retention.arm_label(p.config) for p in points if keep(p.overrides)) == [
+      "MoC, SMF (TF-IDF), SGD (t 4, lr 3)", "MoC, SMF control: TF alone, SGD (t 4, lr 3)",
+      "MoC, SMF control: random chapters, SGD (t 4, lr 3)", "MoC, full finetuning (lr 0.0001)",
+      "MoC, the memory alone (lr 0.0001)", "dense, full finetuning (lr 0.0001)"]

@@ -413,3 +413,14 @@ def test_local_sweep_trains_and_collects(tmp_path):
   assert (sweep_dir / "results.csv").exists() and "| k2 | done | moc | 2 |" in r.stdout
   r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert "2 of 2 points done, running 0" in r.stdout
+
+
+def test_a_long_run_name_keeps_its_head_and_tail_around_a_digest():
+  """Names past MAX_NAME (a directory name must stay under 255 bytes) keep 40 characters of head and the tail, where
+  the knobs are, around a digest of the whole: unique, deterministic; short names are unchanged."""
+  from experiments.sweeps.plan import MAX_NAME, run_name
+  long = {f"data.facts.field{i}": i for i in range(30)}
+  a, b = run_name({**long, "train.base_lr": 1e-4}), run_name({**long, "train.base_lr": 3e-4})
+  assert len(a) == len(b) == MAX_NAME and a != b and a.endswith("base_lr0.0001") and a.startswith("field00-field11")
+  assert a == run_name({**long, "train.base_lr": 1e-4})
+  assert run_name({"memory.top_k": 8}) == "k8"
