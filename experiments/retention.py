@@ -125,15 +125,31 @@ def _background(workdir):
   subprocess.run([sys.executable, "-m", "moc_jax.eval.background", f"--workdir={workdir}"], check=True)
 
 
-def _facts(config, facts_seed):
+def _facts(config, facts):
+  """`config`'s data reading the corpus `facts` (a data.facts dict: phase 1's A, phase 2's B)."""
   data = config.data.copy_and_resolve_references()
-  data.facts.seed = facts_seed
+  data.facts.update(facts)
   return data
 
 
+def _probes(config, facts, tokenizer):
+  """The probes of corpus `facts`, each with its prompt's path down the tree the run reads by (its
+  data.cluster.tree, else the tree of its own training data) when its memory reads by cluster paths."""
+  from moc_jax.config import reads_cluster_paths
+  from moc_jax.data import load_probes
+  from moc_jax.data.cluster_paths import index_path
+  from moc_jax.eval.probes import with_prompt_paths
+  probes = load_probes(_facts(config, facts))
+  if not reads_cluster_paths(config):
+    return probes
+  reader = config.copy_and_resolve_references()
+  reader.data.cluster.tree = config.data.cluster.tree or index_path(config.data, tokenizer)
+  return with_prompt_paths(reader, probes, tokenizer)
+
+
 class _Scorer:
-  """Recall of facts A and B and CE on A's validation split of checkpoints, the evaluators built once per
-  model shape (the phase-2 arms of a kind share them)."""
+  """Recall of facts A and B and CE on A's validation split of checkpoints (`facts_a`, `facts_b`: the two
+  corpora's data.facts), the evaluators built once per model shape (the phase-2 arms of a kind share them)."""
 
   def __init__(self, facts_a, facts_b):
     self.facts = {"A": facts_a, "B": facts_b}
@@ -145,7 +161,6 @@ class _Scorer:
       with open(path) as f:
         return json.load(f)
     from moc_jax import sharding
-    from moc_jax.data import load_probes
     from moc_jax.data.tokenizers import model_tokenizer
     from moc_jax.eval.ce import CEEvaluator, split_batches
     from moc_jax.eval.probes import ProbeEvaluator
@@ -158,8 +173,8 @@ class _Scorer:
       key = json.dumps({k: config[k].to_dict() for k in ("model", "memory", "data")}, sort_keys=True, default=str)
       if key not in self.cache:
         tokenizer = model_tokenizer(config)
-        probes = {name: ProbeEvaluator(layout.graphdef, load_probes(_facts(config, seed)), tokenizer)
-                  for name, seed in self.facts.items()}
+        probes = {name: ProbeEvaluator(layout.graphdef, _probes(config, facts, tokenizer), tokenizer)
+                  for name, facts in self.facts.items()}
         config_a = config.copy_and_resolve_references()
         config_a.data = _facts(config, self.facts["A"])
         ce = CEEvaluator(layout.graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
@@ -302,7 +317,7 @@ def run(out, spec, quick, parallel) -> list[dict]:
       _background(workdir)
   finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin, size.get("finetune_points"))
   run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
-  scorer = _Scorer(pretrain[0].config.data.facts.seed, finetune[0].config.data.facts.seed)
+  scorer = _Scorer(pretrain[0].config.data.facts.to_dict(), finetune[0].config.data.facts.to_dict())
   rows = [{"family": family(p.config), "arm": arm_label(p.config), "seed": p.config.seed,
            "before": scorer(origin[(_kind(p.config), p.config.seed)][0]),
            "after": scorer(os.path.join(fine_dir, p.name))} for p in finetune]
