@@ -234,6 +234,9 @@ def matched(summary, reference=FULL_FINETUNING) -> str:
   level = max(learn for learn, _ in families[reference])
   lines = [f"At matched learning of B ({reference}'s best: {level:.3f} above chance; within 10%):", ""]
   for name, points in families.items():
+    if all(math.isnan(f) for _, f in points):
+      lines.append(f"- {name}: forgetting undefined (phase 1 left A at chance)")
+      continue
     f = forgetting_at(points, level)
     lines.append(f"- {name}: " + ("does not learn as much" if f is None else f"forgetting {f:.3f}"))
   return "\n".join(lines)

@@ -62,6 +62,8 @@ def test_each_arm_is_matched_to_full_finetunings_learning():
   text = retention.matched(summary)
   assert "- smf: forgetting 0.200" in text and "- weak: does not learn as much" in text
   assert f"- {retention.FULL_FINETUNING}: forgetting 0.800" in text
+  unlearnt = [{"arm": "none", "seed": 0, "before": scores(0.25, 0.25), "after": scores(0.25, 0.5)}]
+  assert "- none: forgetting undefined" in retention.matched(summary + retention.summarise(unlearnt))
 
 
 def test_the_finetuning_sweep_is_six_families_of_points():
