@@ -125,6 +125,36 @@ def in_chunks(read, q, ids, logit_scale, value_scale, chunk):
   return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :length]
 
 
+def sum_by_owner(table, names, per_position, read):
+  """read(table, ids, *rest, hit=None) on the active mesh, for a read that sums, per position, what the table rows it
+  names contribute (a value table's weighted rows, FFN memory's columns). `names`: the table's logical axes, rows
+  first; `per_position`: (ids, *rest), arrays [B, ...] split over `batch`. When the rows are split over devices
+  (over mesh axes that must also split `batch`), the per-position arrays of the n devices sharing the table are
+  all-gathered, each device calls `read` on the rows it owns with `hit` marking the ids it owns (their local ids
+  clipped), and a reduce-scatter hands each device the sums of its own positions: the table never moves, and the
+  backward pass scatter-adds into each device's own shard. The output is [B, ..., d], three axes."""
+  axes, mesh = current(names[0])
+  if not axes:
+    return read(table, *per_position)
+  if not set(axes) <= set(current("batch")[0]):
+    raise ValueError(f"the bank's {names[0]} are sharded over {axes}, which must also split `batch` "
+                     "(config.logical_axis_rules)")
+  table_spec = logical_spec(mesh, *names)
+  specs = [logical_spec(mesh, "batch", *(None,) * (x.ndim - 1)) for x in per_position]
+
+  def local(shard, ids, *rest):
+    for dim, split in enumerate(table_spec[1:], 1):  # splits of a row's other axes are re-joined
+      if split:
+        shard = jax.lax.all_gather(shard, split, axis=dim, tiled=True)
+    ids, *rest = (jax.lax.all_gather(x, axes, axis=0, tiled=True) for x in (ids, *rest))
+    local_ids, hit = owned(ids, jax.lax.axis_index(axes), shard.shape[0])
+    part = read(shard, local_ids, *rest, hit=hit)
+    return jax.lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, *specs),
+                       out_specs=logical_spec(mesh, "batch", None, None), check_vma=False)(table, *per_position)
+
+
 def owned(ids, owner, per):
   """Local row of each requested row (a chapter, or a value slot) in `owner`'s shard of `per` rows (clipped), and
   whether it lives there."""

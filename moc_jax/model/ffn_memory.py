@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.model.chapter_read import owned
+from moc_jax.model.chapter_read import sum_by_owner
 from moc_jax.model.layers import param_init
 from moc_jax.model.memory import rows_in_use
 from moc_jax.model.routing import cluster_chapters
-from moc_jax.sharding import current, logical_spec
 
 GATE, UP, DOWN = 0, 1, 2  # a column's three vectors along the bank's chapter_tokens axis
 
@@ -102,27 +101,7 @@ def column_sum(table, x, ids, keep=None):
 
 
 def read_columns(table, x, ids):
-  """`column_sum` on the active mesh. Columns split over devices (over mesh axes that also split `batch`, as for
-  the chapter bank): the inputs and column ids of the n devices sharing the columns are all-gathered, each device
-  sums the columns it owns (the others count zero) and a reduce-scatter hands each device the sums of its own
-  positions. The columns never move, and the backward pass scatter-adds into each device's own shard."""
-  axes, mesh = current("chapters")
-  if not axes:
-    return column_sum(table, x, ids)
-  if not set(axes) <= set(current("batch")[0]):
-    raise ValueError(f"the FFN memory's columns are sharded over {axes}, which must also split `batch` "
-                     "(config.logical_axis_rules)")
-  table_spec = logical_spec(mesh, "chapters", "chapter_tokens", "bank_embed")
-  rows_spec = logical_spec(mesh, "batch", None, None)
-
-  def local(shard, x, ids):
-    for dim, split in enumerate(table_spec[1:], 1):  # splits of a column's vectors are re-joined
-      if split:
-        shard = jax.lax.all_gather(shard, split, axis=dim, tiled=True)
-    x, ids = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x, ids))
-    local_ids, hit = owned(ids, jax.lax.axis_index(axes), shard.shape[0])
-    return jax.lax.psum_scatter(column_sum(shard, x, local_ids, hit), axes, scatter_dimension=0, tiled=True)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(table_spec, rows_spec, rows_spec), out_specs=rows_spec,
-                       check_vma=False)(table, x, ids)
-
+  """`column_sum` on the active mesh: with the columns split over devices, each device sums the columns it owns for
+  the positions of every device sharing them (chapter_read.sum_by_owner)."""
+  return sum_by_owner(table, ("chapters", "chapter_tokens", "bank_embed"), (ids, x),
+                      lambda rows, ids, x, hit=None: column_sum(rows, x, ids, hit))

@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.model.chapter_read import owned
+from moc_jax.model.chapter_read import sum_by_owner
 from moc_jax.model.layers import param_init
 from moc_jax.model.memory import rows_in_use
-from moc_jax.sharding import current, logical_spec
 
 
 class ValueTable(nnx.Module):
@@ -70,26 +69,12 @@ def bag(table, ids, weights):
 
 def read_rows(table, ids, weights):
   """`bag` of table [N, d] with ids int [B, ..., S] and weights [B, ..., S] -> [B, ..., d] float32, on the
-  active mesh (module docstring)."""
-  axes, mesh = current("slots")
-  if not axes:
-    return bag(table, ids, weights)
-  if not set(axes) <= set(current("batch")[0]):
-    raise ValueError(f"the value table's slots are sharded over {axes}, which must also split `batch` "
-                     "(config.logical_axis_rules)")
+  active mesh (module docstring; chapter_read.sum_by_owner)."""
   lead = ids.shape[:-1]
   ids, weights = (x.reshape(lead[0], -1, x.shape[-1]) for x in (ids, weights))
-  table_spec = logical_spec(mesh, "slots", "value_embed")
-  rows_spec = logical_spec(mesh, "batch", None, None)
 
-  def local(shard, ids, weights):
-    if table_spec[1]:  # a split of the rows' width is re-joined (this device's slots only)
-      shard = jax.lax.all_gather(shard, table_spec[1], axis=1, tiled=True)
-    ids, weights = (jax.lax.all_gather(x, axes, axis=0, tiled=True) for x in (ids, weights))
-    local_ids, hit = owned(ids, jax.lax.axis_index(axes), shard.shape[0])
-    part = bag(shard, local_ids, jnp.where(hit, weights, 0))
-    return jax.lax.psum_scatter(part, axes, scatter_dimension=0, tiled=True)
+  def read(rows, ids, weights, hit=None):
+    return bag(rows, ids, weights if hit is None else jnp.where(hit, weights, 0))
 
-  out = jax.shard_map(local, mesh=mesh, in_specs=(table_spec, rows_spec, rows_spec), out_specs=rows_spec,
-                      check_vma=False)(table, ids, weights)
+  out = sum_by_owner(table, ("slots", "value_embed"), (ids, weights), read)
   return out.reshape(lead + (table.shape[-1],))
