@@ -82,25 +82,31 @@ def test_each_position_reads_its_documents_path(model):
   assert float(aux["router_loss"]) == 0.0
 
 
-def test_the_read_depends_on_the_paths_chapters_alone(model):
-  """Zeroing a chapter changes the logits of exactly the documents whose path owns it (and the shared one, all)."""
-  _, state, fwd = model
+def assert_rows_reach_their_paths_alone(state, fwd):
+  """On `_packed`'s row, zeroing bank row r (a chapter, or an FFN column: the same layout of 25) changes the logits of
+  exactly the documents whose path owns r; the shared row 0 changes every real position; rows on no real
+  position's path change nothing."""
   batch = _packed()
   base = np.asarray(fwd(state, *batch)[0])
 
-  def without(chapter):
+  def without(row):
     mask = np.zeros((1, 25), bool)
-    mask[0, chapter] = True
+    mask[0, row] = True
     return np.abs(np.asarray(fwd(zero_chapters(state, mask), *batch)[0]) - base).max(-1)[0]
 
   first, second = slice(0, 5), slice(5, 9)
-  for chapter, changed in ((3, first), (14, first), (8, second), (23, second)):
-    diff = without(chapter)
+  for row, changed in ((3, first), (14, first), (8, second), (23, second)):
+    diff = without(row)
     other = second if changed == first else first
-    assert diff[changed].max() > 0 and diff[other].max() == 0, chapter
-  for chapter in (1, 2, 9, 13, 24):  # on no real position's path
-    assert without(chapter)[:9].max() == 0, chapter
+    assert diff[changed].max() > 0 and diff[other].max() == 0, row
+  for row in (1, 2, 9, 13, 24):  # on no real position's path
+    assert without(row)[:9].max() == 0, row
   assert (without(0)[:9] > 0).all()
+
+
+def test_the_read_depends_on_the_paths_chapters_alone(model):
+  _, state, fwd = model
+  assert_rows_reach_their_paths_alone(state, fwd)
 
 
 def test_no_router_parameters():

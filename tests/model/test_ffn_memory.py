@@ -11,9 +11,9 @@ from flax import nnx
 import moc_jax
 from moc_jax import flops
 from moc_jax.errors import ConfigError
-from moc_jax.eval.routing import zero_chapters
 from moc_jax.model.build import count_params
 from moc_jax.model.ffn_memory import column_sum
+from tests.model.test_cluster_routing import _packed, assert_rows_reach_their_paths_alone
 
 # k = 4, two levels, 2 columns per level-1 node and 1 per leaf: 1 shared + 2·4 + 1·16 = 25 columns (d 64)
 FFN = {"model.compute_dtype": "float32", "memory.kind": "ffn", "memory.routing": "cluster", "data.cluster.k": 4,
@@ -74,14 +74,6 @@ def model():
   return state, fwd
 
 
-def _packed():
-  """One packed row: a 5-token document on path (1, 5), a 4-token one on (3, 14), 3 padding slots."""
-  ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
-  segments = jnp.array([[1] * 5 + [2] * 4 + [0] * 3], jnp.int32)
-  paths = jnp.array([[[1, 5]] * 5 + [[3, 14]] * 4 + [[-1, -1]] * 3], jnp.int32)
-  return ids, (segments > 0).astype(jnp.int32), segments, paths
-
-
 def test_each_position_fetches_its_documents_columns(model):
   """Shared column 0, level 1's node j owns 1 + 2j and 2 + 2j, leaf j owns 9 + j: path (1, 5) fetches 0, 3, 4, 14
   and (3, 14) fetches 0, 7, 8, 23; `load` counts the path-owned columns' reads over the real positions."""
@@ -99,22 +91,7 @@ def test_each_position_fetches_its_documents_columns(model):
 def test_the_output_depends_on_the_paths_columns_alone(model):
   """Zeroing a column changes the logits of exactly the documents whose path owns it (the shared one: all)."""
   state, fwd = model
-  batch = _packed()
-  base = np.asarray(fwd(state, *batch)[0])
-
-  def without(column):
-    mask = np.zeros((1, 25), bool)
-    mask[0, column] = True
-    return np.abs(np.asarray(fwd(zero_chapters(state, mask), *batch)[0]) - base).max(-1)[0]
-
-  first, second = slice(0, 5), slice(5, 9)
-  for column, changed in ((3, first), (14, first), (8, second), (23, second)):
-    diff = without(column)
-    other = second if changed == first else first
-    assert diff[changed].max() > 0 and diff[other].max() == 0, column
-  for column in (1, 2, 9, 13, 24):
-    assert without(column)[:9].max() == 0, column
-  assert (without(0)[:9] > 0).all()
+  assert_rows_reach_their_paths_alone(state, fwd)
 
 
 def test_parameters_and_flops_by_hand():
