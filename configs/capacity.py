@@ -31,7 +31,10 @@ row slots/s; two runs at once share the cores, no faster together), and the othe
 MoC 1.2x, pkm 1.4x, hml 1.6x, wide about 2.8x (0.70 s). In narrow runs (3,200 steps): preflight 1; gate 1 + 0.5 +
 2.8 = 4.3; arms, the lr sweep 3 rates x a quarter x 5.6 = 4.2 and the runs 5.6; confirm 3 seeds x (at most 1.6 +
 1.36) = 8.9: 24 runs, 77k narrow steps, 6.4 h at 0.3 s a step, and 5 evaluations of 4,096 probes a run (about 20 s
-each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour.
+each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour. The two arms
+fetched by the cluster path (cheaper than the MoC arm, about 1.1x) add 2 x (3 x 0.25 + 1) x 1.1 = 3.9 narrow runs:
+about 8 h. At the readings a capacity-bound size needs (docs/results/2026-11-28-capacity-levers.md: about 400 per
+entity, 8x the default's) the study is 15-20 h on this CPU.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
