@@ -34,7 +34,7 @@ MoC 1.2x, pkm 1.4x, hml 1.6x, wide about 2.8x (0.70 s). In narrow runs (3,200 st
 each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour. The two arms
 fetched by the cluster path (cheaper than the MoC arm, about 1.1x) add 2 x (3 x 0.25 + 1) x 1.1 = 3.9 narrow runs:
 about 8 h. At the readings a capacity-bound size needs (docs/results/2026-11-28-capacity-levers.md: about 400 per
-entity, 8x the default's) the study is 15-20 h on this CPU.
+entity, 8x the default's) the study is about 60 h on this CPU (8 x 7-8 h).
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
