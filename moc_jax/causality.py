@@ -10,6 +10,7 @@ non-zero change comes from routing (`sequence` pools the whole row).
 from __future__ import annotations
 
 import json
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ from moc_jax.errors import UsageError
 
 
 def _redraw_zeros(model, seed):
-  """Every all-zero parameter (the memory W_o, biases) gets N(0, 0.02), so each path reaches the logits."""
+  """Every all-zero parameter (the memory W_o, biases) gets N(0, 0.02), so each path reaches the logits. Each draw
+  is keyed by the parameter's path, so a module gaining an attribute elsewhere changes no draw."""
   key = jax.random.key(seed)
-  for i, (_, var) in enumerate(nnx.iter_graph(model)):
+  for path, var in nnx.iter_graph(model):
     if isinstance(var, nnx.Param) and not np.any(np.asarray(var[...])):
-      var.set_value(0.02 * jax.random.normal(jax.random.fold_in(key, i), var[...].shape, var[...].dtype))
+      where = zlib.crc32("/".join(map(str, path)).encode())
+      var.set_value(0.02 * jax.random.normal(jax.random.fold_in(key, where), var[...].shape, var[...].dtype))
 
 
 def probe(config, *, length=None, batch=2, seed=0, positions=None) -> dict:
