@@ -208,7 +208,8 @@ _FIELDS = base_config().train.to_dict()  # every train field, at its default
     ({"bank_optimizer": "smf", "smf_top_t": 3}, optim.BankUpdate("smf", top_t=3, rank="tfidf"),
      (False, True, True, False, "lazy", "bank_optimizer=smf")),
     ({"bank_optimizer": "smf", "smf_top_t": 3, "bank_rule": "sgd", "smf_rank": "random"},
-     optim.BankUpdate("smf", top_t=3, step="sgd", rank="random"), (False, True, True, False, "lazy", "bank_optimizer=smf"))])
+     optim.BankUpdate("smf", top_t=3, step="sgd", rank="random"),
+     (False, True, True, False, "lazy", "bank_optimizer=smf"))])
 def test_bank_update_decodes_each_setting(fields, want, asked):
   bank = optim.bank_update({**_FIELDS, **fields})
   assert bank == want
