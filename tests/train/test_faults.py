@@ -68,6 +68,7 @@ def _wait_for_checkpoint(workdir, step, proc, timeout=300):
     time.sleep(0.05)
 
 
+@pytest.mark.slow  # two full runs and a kill (about 2 minutes); the SIGTERM and Ctrl-C resumes below stay in the suite
 def test_resume_after_sigkill_gives_identical_losses(data_dir, tmp_path):
   extra = {"train.steps": 8, "train.checkpoint_every": 3, "train.eval_every": 4}
   ref = _main(tu.cli_args("configs/moc.py:tiny", data_dir, tmp_path / "ref", **extra), tmp_path / "ref.log")
