@@ -106,8 +106,8 @@ def lower_decode(config, mesh, layout):
       return decode.step(nnx.merge(layout.graphdef, params), cache, ids)
 
     def first(params, ids):
-      return decode.step(nnx.merge(layout.graphdef, params), decode.init_cache(nnx.merge(layout.graphdef, params),
-                                                                               rows, slots), ids)[0]
+      model = nnx.merge(layout.graphdef, params)
+      return decode.step(model, decode.init_cache(model, rows, slots), ids)[0]
 
     ids = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=sharding.data_sharding(config, mesh))
     cache = jax.eval_shape(first, layout.abstract["params"], ids)

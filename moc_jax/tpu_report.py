@@ -1,5 +1,5 @@
-"""`python -m moc_jax.compile_report --topology=NAME`: the train, evaluation and decoding steps compiled by the TPU compiler
-for a slice's devices on a host without one (moc_jax/tpu_topology.py), its verdict on whether they fit a chip's
+"""`python -m moc_jax.compile_report --topology=NAME`: the train, evaluation and decoding steps compiled by the TPU
+compiler for a slice's devices on a host without one (moc_jax/tpu_topology.py), its verdict on whether they fit a chip's
 HBM, and, when the train step does not, the largest micro-batch that does.
 
 The search keeps the update (batch_size x grad_accum rows) and bisects over the rows each device takes per

@@ -26,7 +26,7 @@ from flax import nnx
 from moc_jax.model.chapter_read import sum_by_owner
 from moc_jax.model.layers import param_init
 from moc_jax.model.memory import rows_in_use
-from moc_jax.model.routing import cluster_chapters
+from moc_jax.model.routing import cluster_reads, cluster_tree
 
 GATE, UP, DOWN = 0, 1, 2  # a column's three vectors along the bank's chapter_tokens axis
 
@@ -54,9 +54,7 @@ class FFNMemory(nnx.Module):
 
   def __init__(self, cfg, rngs):
     del rngs  # every parameter of this memory is in the bank
-    mem = cfg.memory
-    self.num_shared, self.num_chapters = mem.num_shared, mem.num_chapters
-    self.tree = (cfg.data.cluster.k, tuple(mem.cluster_chapters), bool(cfg.data.cluster.generic))
+    self.num_shared, self.tree = cfg.memory.num_shared, cluster_tree(cfg)
     self.dtype = jnp.dtype(cfg.model.compute_dtype)
 
   def __call__(self, x, route_input, bank, valid=None, segments=None, paths=None):
@@ -68,12 +66,8 @@ class FFNMemory(nnx.Module):
     if paths is None:
       raise ValueError("memory.kind=ffn fetches the columns of each document's cluster path: pass cluster_path "
                        "[B, L, levels] (the batch's, with data.cluster.k > 0)")
-    k, per_level, generic = self.tree
-    columns = cluster_chapters(paths, self.num_shared, k, per_level, generic)
-    routed = columns[..., self.num_shared:]
-    real = jnp.ones(routed.shape[:-1]) if valid is None else valid.astype(jnp.float32)
-    stats = {"chapters": columns, "load": jnp.zeros((self.num_chapters,), jnp.float32).at[routed].add(
-        jnp.broadcast_to(real[..., None], routed.shape))}
+    columns, load = cluster_reads(paths, self.num_shared, self.tree, valid)
+    stats = {"chapters": columns, "load": load}
     table, ids, rows = rows_in_use(bank, columns, self.num_shared)
     if rows is not None:
       stats["rows"] = rows

@@ -20,8 +20,8 @@ routing.py). MoC-PT's semantics: docs/mocpt_semantics.md.
 * `subtree` — prefix routing whose choice is limited to the chapters of the document's subtree: the router's
   top-k among the chapters owned by its path's level-0 node and the nodes below it (and the shared ones), laid
   out as `cluster`'s. NOT causal when the path is the whole document's (training).
-`segment`, `prefix`, `chunk`, `cluster` and `subtree` mix chapters as `sequence` does (weights scale keys and values, one
-softmax).
+`segment`, `prefix`, `chunk`, `cluster` and `subtree` mix chapters as `sequence` does (weights scale keys and
+values, one softmax).
 The per-position modes project the (normalised) bank's keys and values once per layer call and read
 them through `kernels_pallas.routed_chapter_attention`, never gathering them per (token, chapter).
 Cached decoding (`MemoryLayer.decode`) routes by `memory.decode_routing`, which adds the decode-only
@@ -39,9 +39,10 @@ from moc_jax.config.schema import CAUSAL_ROUTINGS, TREE_ROUTINGS
 from moc_jax.model.chapter_read import read_chapters, routed_attention
 from moc_jax.model.layers import NEG_INF, attention, dense, normalize_tokens, param_init, RMSNorm
 from moc_jax.model.quantize import dequantize
-from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, cluster_chapters, grid_route,
-                                   grid_router_losses, mix_weights, per_position, pool_share, resolve_decode_routing,
-                                   route, router_losses, routing_input, subtree_mask, with_shared)
+from moc_jax.model.routing import (Router, cached_decision_input, cached_routing_input, cluster_reads, cluster_tree,
+                                   grid_route, grid_router_losses, mix_weights, per_position, pool_share,
+                                   resolve_decode_routing, route, router_losses, routing_input, subtree_mask,
+                                   with_shared)
 from moc_jax.sharding import current
 
 
@@ -159,8 +160,7 @@ class MemoryLayer(nnx.Module):
     self.router = Router(cfg, rngs) if mem.routing != "cluster" else None
     # the tree of cluster and subtree routing (branching, chapters per node of each level, chapters, whether generic
     # ones follow the tree's); None without one
-    self.cluster = ((cfg.data.cluster.k, tuple(mem.cluster_chapters), mem.num_chapters, bool(cfg.data.cluster.generic))
-                    if mem.routing in TREE_ROUTINGS else None)
+    self.cluster = cluster_tree(cfg) if mem.routing in TREE_ROUTINGS else None
     self.norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
     self.attn = MemoryCrossAttention(cfg, rngs)
 
@@ -277,14 +277,9 @@ class MemoryLayer(nnx.Module):
     if paths is None:
       raise ValueError("memory.routing=cluster reads the chapters of each document's cluster path: pass cluster_path "
                        "[B, L, levels] (the batch's, with data.cluster.k > 0)")
-    k, per_level, num_chapters, generic = self.cluster
-    chapters = cluster_chapters(paths, self.num_shared, k, per_level, generic)
+    chapters, load = cluster_reads(paths, self.num_shared, self.cluster, valid)
     routed = chapters.shape[-1] - self.num_shared
     weights = mix_weights(jnp.full(chapters.shape[:-1] + (routed,), 1.0 / routed), self.num_shared, self.scaling)
-    routed_ids = chapters[..., self.num_shared:]
-    real = jnp.ones(routed_ids.shape[:-1]) if valid is None else valid.astype(jnp.float32)
-    load = jnp.zeros((num_chapters,), jnp.float32).at[routed_ids].add(
-        jnp.broadcast_to(real[..., None], routed_ids.shape))
     return self.read_positions(h, chapters, weights, bank, "cluster", {"load": load})
 
   def read_positions(self, h, chapters, weights, bank, routing, stats):

@@ -83,6 +83,24 @@ def cluster_chapters(paths, num_shared, k, per_level, generic=False):
   return with_shared(ids, num_shared)
 
 
+def cluster_tree(cfg) -> tuple:
+  """The tree a path-fetched read lays its chapters on: (data.cluster.k, memory.cluster_chapters,
+  memory.num_chapters, whether generic chapters follow the tree's)."""
+  return (cfg.data.cluster.k, tuple(cfg.memory.cluster_chapters), cfg.memory.num_chapters,
+          bool(cfg.data.cluster.generic))
+
+
+def cluster_reads(paths, num_shared, tree, valid=None):
+  """A path-fetched read's chapters (`cluster_chapters` on `cluster_tree`'s tree) and `load` [C]: the reads of each path-owned chapter over the real positions (`valid` [B, L]), the
+  router health a router's choice would report."""
+  k, per_level, num_chapters, generic = tree
+  chapters = cluster_chapters(paths, num_shared, k, per_level, generic)
+  routed = chapters[..., num_shared:]
+  real = jnp.ones(routed.shape[:-1]) if valid is None else valid.astype(jnp.float32)
+  load = jnp.zeros((num_chapters,), jnp.float32).at[routed].add(jnp.broadcast_to(real[..., None], routed.shape))
+  return chapters, load
+
+
 def subtree_mask(paths, num_shared, k, per_level, num_chapters):
   """`memory.routing=subtree`: the chapters each position's router may choose, bool [..., C] (paths [..., levels],
   -1 on padding read as node 0): the shared ones and those owned by its document's level-0 node and every node below
