@@ -137,13 +137,12 @@ def _probes(config, facts, tokenizer):
   data.cluster.tree, else the tree of its own training data) when its memory reads by cluster paths."""
   from moc_jax.config import reads_cluster_paths
   from moc_jax.data import load_probes
-  from moc_jax.data.cluster_paths import index_path
   from moc_jax.eval.probes import with_prompt_paths
   probes = load_probes(_facts(config, facts))
   if not reads_cluster_paths(config):
     return probes
   reader = config.copy_and_resolve_references()
-  reader.data.cluster.tree = config.data.cluster.tree or index_path(config.data, tokenizer)
+  reader.data.cluster.tree = config.data.cluster.tree or _tree(config)
   return with_prompt_paths(reader, probes, tokenizer)
 
 
