@@ -9,8 +9,19 @@ a TPU topology, not by every process at its first use of a backend.
 """
 import io
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# One persistent compilation cache per suite run, made by the first process that loads this file (the controller,
+# before it starts its workers) and inherited by the workers and the commands they start. Many tests compile the same
+# program (tiny's train step; the runs that are stopped and resumed by the same command): with the cache each is
+# compiled once per run. It starts empty, so a run's time is a fresh machine's, and its maker removes it at the end.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moc_jax-test-xla-cache-")
 
 import jax
 import jax.numpy as jnp
@@ -82,3 +93,9 @@ def sp_path(tmp_path_factory):
   path = tmp_path_factory.mktemp("sp") / "tiny.model"
   path.write_bytes(model.getvalue())
   return str(path)
+
+
+
+def pytest_sessionfinish(session):
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

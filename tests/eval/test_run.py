@@ -93,6 +93,7 @@ def test_cli_reports_the_training_evaluation_mcq_and_routing(run, tmp_path):
   assert "| fact recall, likelihood choice" in proc.stdout and "| entity training docs |" in proc.stdout
 
 
+@pytest.mark.slow  # the validation split evaluated twice more (the report's, and prefix-routed by hand)
 def test_a_non_causal_run_also_reports_its_weights_routed_causally(run, tmp_path):
   """The report's causal CE is the CE of the same checkpoint with `memory.routing` overridden to `prefix`, as the
   training loop's evaluation of a prefix-routed run measures it; that causal evaluation reports no second figure."""

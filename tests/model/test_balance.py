@@ -100,6 +100,7 @@ def _biases(params):
   return {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(params) if "balance_bias" in map(str, path)}
 
 
+@pytest.mark.slow  # the whole train step; the bias rule is test_balance_bias_step_on_hand_made_counts's
 def test_train_step_moves_the_bias_by_the_whole_updates_loads_outside_the_optimizer(tmp_path):
   """With 2 micro-batches, every bias moves by rate * sign(mean - load) of the selections summed over both
   (counted here by a separate forward on the whole batch), although AdamW with weight decay 0.1 updates every

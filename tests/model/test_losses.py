@@ -9,7 +9,8 @@ import moc_jax
 from moc_jax.losses import IGNORE, lm_loss
 
 
-@pytest.mark.parametrize("spec", ["configs/moc.py:tiny", "configs/vanilla.py:tiny"])
+# moc (slow): the chunking is the loss's, whatever the model; vanilla checks it by default
+@pytest.mark.parametrize("spec", [pytest.param("configs/moc.py:tiny", marks=pytest.mark.slow), "configs/vanilla.py:tiny"])
 def test_chunked_loss_matches_whole_sequence_loss(spec):
   seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)

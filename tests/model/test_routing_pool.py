@@ -117,6 +117,7 @@ def test_attention_pooled_causal_routing_leaves_the_past_exactly_unchanged(routi
   assert result["causal"] and result["max_change_all"] == 0.0, result
 
 
+@pytest.mark.slow  # gradients through training steps; the pooling itself is checked against numpy above
 def test_the_query_learns_from_the_router_loss_and_the_memory_read():
   cfg = _cfg(**{"memory.routing": "prefix", "memory.wo_init_zero": False, "memory.load_balance": "routed"})
   model = moc_jax.build_model(cfg, seed=0)

@@ -105,7 +105,7 @@ def test_no_routing_state_crosses_a_document_boundary(routing):
   assert np.abs(outs["sequence"][0] - outs["sequence"][1]).max() > 1e-3
 
 
-@pytest.mark.parametrize("routing", ["segment", "prefix", pytest.param("token", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("routing", ["segment", *(pytest.param(r, marks=pytest.mark.slow) for r in ("prefix", "token"))])
 def test_a_packed_document_reads_as_if_it_had_its_own_row(routing):
   """segment: each document of a packed row routes as that document alone in a row (MoC-PT's one-document
   rows, without their padding); prefix and token likewise (chunk boundaries are the row's, so chunk differs)."""

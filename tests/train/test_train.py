@@ -22,7 +22,8 @@ def data_dir(tmp_path_factory):
   return tmp_path_factory.mktemp("data")
 
 
-@pytest.mark.parametrize("spec", ["configs/moc.py:tiny", "configs/vanilla.py:tiny"])
+# vanilla (slow): the same loop and artifacts without memory; tests/train/test_faults.py trains vanilla tiny by default
+@pytest.mark.parametrize("spec", ["configs/moc.py:tiny", pytest.param("configs/vanilla.py:tiny", marks=pytest.mark.slow)])
 def test_two_steps_write_every_artifact(spec, data_dir, tmp_path):
   config = moc_jax.load_config(spec, tu.overrides(data_dir))
   last = main_lib.train(config, str(tmp_path))
