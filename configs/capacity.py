@@ -34,12 +34,15 @@ MoC 1.2x, pkm 1.4x, hml 1.6x, wide about 2.8x (0.70 s). In narrow runs (3,200 st
 each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour. The two arms
 fetched by the cluster path (cheaper than the MoC arm, about 1.1x) add 2 x (3 x 0.25 + 1) x 1.1 = 3.9 narrow runs:
 about 8 h. At the readings a capacity-bound size needs (docs/results/2026-11-28-capacity-levers.md: about 400 per
-entity, 8x the default's) the study is about 60 h on this CPU (8 x 7-8 h).
+entity, 8x the default's: the `bound` modifier) the study is about 60 h on this CPU (8 x 7-8 h), the gate alone
+about 11 h (preflight 2.1, narrow 2.1, half 1.05, wide 5.9), run in parts: each run resumes from its last of
+CHECKPOINTS checkpoints.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
 costliest memory arm, every bank projection its routing computes included), and `pkm`, `hml` where the schema has
-`memory.kind`.
+`memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's
+`--config=configs/capacity.py:moc,bound`).
 """
 from moc_jax.config import schema, sibling
 
@@ -47,9 +50,13 @@ moc = sibling(__file__, "moc")
 
 ENTITIES = 2048
 DOCS_PER_ENTITY = 50
+# The `bound` modifier (`configs/capacity.py:NAME,bound`): the readings per entity at which the narrow backbone takes
+# these facts up (docs/results/2026-11-28-capacity-levers.md), so that the gate can tell room from exposure.
+BOUND_DOCS_PER_ENTITY = 400
 BATCH = 32                  # rows (documents) per update
 LR = 1e-2                   # every parameter group; the arms choose theirs on the `lr` sweep
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
+CHECKPOINTS = 16            # along a run: an interrupted run (a run of the `bound` size takes hours) loses at most 1/16
 PREFLIGHT_ENTITIES = 256
 LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
 LR_STEPS = 0.25             # ... trained for this share of the steps
@@ -86,9 +93,9 @@ def memory_arms() -> dict:
   return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
 
 
-def _study(c):
+def _study(c, docs_per_entity=DOCS_PER_ENTITY):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
-  biography corpus, one pass over it."""
+  biography corpus, one pass over it (docs_per_entity readings of each entity)."""
   c.model.update(vocab_size=260, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=96, max_seq_len=192)
   c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=2, num_kv_heads=2,
                   layer_indices=(1, 3))
@@ -97,13 +104,13 @@ def _study(c):
     c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=32)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
   c.data.update(seq_len=192, layout="pack_whole")
-  c.data.facts.update(style="biography", zipf_a=0.0, num_entities=ENTITIES, num_docs=ENTITIES * DOCS_PER_ENTITY,
+  c.data.facts.update(style="biography", zipf_a=0.0, num_entities=ENTITIES, num_docs=ENTITIES * docs_per_entity,
                       num_val_docs=512)
-  steps = ENTITIES * DOCS_PER_ENTITY // BATCH
+  steps = ENTITIES * docs_per_entity // BATCH
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
   c.train.update(batch_size=BATCH, steps=steps, warmup_steps=steps // 32, decay_start_ratio=0.8, base_lr=LR,
                  memory_lr=LR, bank_weight_decay=0.0, log_every=50, eval_every=steps // EVALS, eval_batches=None,
-                 num_probes=4096, checkpoint_every=steps // 4)
+                 num_probes=4096, checkpoint_every=steps // CHECKPOINTS)
   return c
 
 
@@ -185,9 +192,10 @@ def _models() -> dict:
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  if mods:
-    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(mods)}; configs/capacity.py takes none")
-  base = _study(schema.base_config())
+  if mods - {"bound"}:
+    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(mods - {'bound'})}; configs/capacity.py takes "
+                     "`bound` (e.g. `configs/capacity.py:moc,bound`)")
+  base = _study(schema.base_config(), BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY)
   base.update_from_flattened_dict(models[name](base))
-  base.name = f"capacity-{name.replace('=', '-')}"
+  base.name = f"capacity-{name.replace('=', '-')}" + ("-bound" if "bound" in mods else "")
   return base

@@ -127,20 +127,13 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
   return {"passed": all(met for _, met, _ in checks), "checks": checks}
 
 
-def welch_t(a, b) -> tuple[float, float]:
-  """Welch's t of mean(a) - mean(b) and its degrees of freedom (infinite or NaN when neither sample varies)."""
-  from scipy import stats
-  result = stats.ttest_ind(a, b, equal_var=False)
-  return float(result.statistic), float(result.df)
-
-
 def goal_verdict(memory, dense) -> dict:
   """The goal on the confirmation's runs: `memory` [{recall, knockout}] and `dense` [{recall}], one per seed.
   {met, t, df, held, memory: (mean, se), dense: (mean, se), knockout: (mean, se)}; `held` is the share of the memory
   arm's recall above chance that its knock-out removes, from the means."""
   recall = [r["recall"] for r in memory]
   knockout = [r["knockout"] for r in memory]
-  t, df = welch_t(recall, [r["recall"] for r in dense])
+  t, df = report.welch_t(recall, [r["recall"] for r in dense])
   mean, knocked = sum(recall) / len(recall), sum(knockout) / len(knockout)
   held = (mean - knocked) / (mean - CHANCE) if mean > CHANCE else math.nan
   return {"met": t >= GOAL_T and held >= GOAL_HELD, "t": t, "df": df, "held": held,

@@ -198,6 +198,13 @@ def mean_and_se(values) -> tuple[float, float]:
   return float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
 
 
+def welch_t(a, b) -> tuple[float, float]:
+  """Welch's t of mean(a) - mean(b) and its degrees of freedom (infinite or NaN when neither sample varies)."""
+  from scipy import stats
+  result = stats.ttest_ind(a, b, equal_var=False)
+  return float(result.statistic), float(result.df)
+
+
 def seed_groups(rows) -> list[dict]:
   """Finished runs that differ only in their seed (`<point>-seed<N>`), as one row per point: n and, for each
   SEED_METRICS column, the mean and standard error over seeds (sample standard deviation / sqrt(n))."""

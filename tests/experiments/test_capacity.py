@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from experiments import capacity
-from experiments.sweeps import launch
+from experiments.sweeps import launch, report
 from moc_jax.errors import UsageError
 
 SPEC = "configs/capacity.py:moc"
@@ -62,7 +62,7 @@ def test_welch_t_against_a_hand_computation():
   var_b = sum((x - mean_b) ** 2 for x in b) / 2
   t = (mean_a - mean_b) / math.sqrt(var_a / 3 + var_b / 3)
   df = (var_a / 3 + var_b / 3) ** 2 / ((var_a / 3) ** 2 / 2 + (var_b / 3) ** 2 / 2)
-  assert capacity.welch_t(a, b) == pytest.approx((t, df))
+  assert report.welch_t(a, b) == pytest.approx((t, df))
 
 
 def test_the_goal_needs_t_and_a_memory_that_holds_the_recall():
@@ -93,6 +93,17 @@ def test_the_config_sizes_the_study_from_capacity():
   iso = load_config("configs/capacity.py:iso")
   assert model_flops_per_token(iso) / model_flops_per_token(moc) == pytest.approx(1, abs=0.02)
   assert not iso.memory.enabled and iso.model.d_model == narrow.model.d_model
+
+
+def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
+  from moc_jax import load_config
+  default, bound = load_config("configs/capacity.py:dense"), load_config("configs/capacity.py:dense,bound")
+  assert bound.data.facts.num_docs == 2048 * 400 == 8 * default.data.facts.num_docs
+  assert bound.data.facts.num_entities == default.data.facts.num_entities
+  assert bound.train.steps == 8 * default.train.steps == 25_600 and bound.train.warmup_steps == 800
+  assert (bound.train.eval_every, bound.train.checkpoint_every) == (6400, 1600) and bound.name == "capacity-dense-bound"
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`"):
+    load_config("configs/capacity.py:moc,huge")
 
 
 def test_the_sweeps():
