@@ -323,9 +323,10 @@ def _validate_bank_optimizer(c):
           "no bank", "leave train.bank_optimizer='dense'")
   if t.bank_optimizer != "smf":
     return
-  if c.memory.kind != "chapters":
+  if c.memory.kind not in ("chapters", "ffn"):
     _fail("train.bank_optimizer", f"'smf' with memory.kind={c.memory.kind!r}: sparse memory finetuning ranks chapters "
-          "against a background of chapter reads", "use train.bank_optimizer='lazy_adam' (AdamW over the slots read)")
+          "(or FFN columns) against a background of their reads", "use train.bank_optimizer='lazy_adam' (AdamW over "
+          "the slots read)")
   if not 1 <= t.smf_top_t <= c.memory.num_chapters:
     _fail("train.smf_top_t", f"{t.smf_top_t} is outside [1, memory.num_chapters={c.memory.num_chapters}]",
           "use the number of chapters per bank each update may move")

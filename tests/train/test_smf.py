@@ -158,13 +158,19 @@ def train(overrides, idf, steps):
   return config, init, history
 
 
-def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical():
-  """Two banks, two micro-batches per update, top-3 of 65 chapters by tf·idf with a random idf: per update,
-  the chapters numpy ranks outside the top-3 (from the step's own read weights) keep value, moments and count
-  bit for bit; the top-3 move (from update 2, once the LR is nonzero)."""
-  c = 65
+# FFN memory: 332 columns on a 4-ary tree of 2 levels (43 a level-0 node, 10 a leaf), each read whole (weight 1)
+FFN = {"memory.kind": "ffn", "memory.routing": "cluster", "data.cluster.k": 4, "memory.num_shared": 0,
+       "memory.cluster_chapters": (43, 10), "memory.num_chapters": 332}
+
+
+@pytest.mark.parametrize("memory", [{}, FFN], ids=["chapters", "ffn"])
+def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical(memory):
+  """Two banks, two micro-batches per update, top-3 of the chapters (65; FFN memory's 332 columns) by tf·idf with a
+  random idf: per update, the chapters numpy ranks outside the top-3 (from the step's own read weights) keep
+  value, moments and count bit for bit; the top-3 move (from update 2, once the LR is nonzero)."""
+  c = memory.get("memory.num_chapters", 65)
   idf = np.random.default_rng(2).random((2, c)).astype(np.float32)
-  config, init, history = train({"train.bank_optimizer": "smf", "train.smf_top_t": 3}, idf, 3)
+  config, init, history = train({"train.bank_optimizer": "smf", "train.smf_top_t": 3, **memory}, idf, 3)
   before = (bank_leaf(init["params"]["bank"]), *(bank_leaf(x) for x in lazy_state(init["opt_state"])[1:]),
             bank_leaf(lazy_state(init["opt_state"]).count))
   for i, (state, metrics) in enumerate(history):
@@ -178,6 +184,8 @@ def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical(
       assert np.all(np.any(after[0][mask] != before[0][mask], axis=(1, 2))), i
     before = after
   assert metrics["router_read"].sum() > 0
+  if memory:  # every real position reads its path's 43 + 10 columns once, in each memory layer: 4 rows, 2 with 5 pads
+    np.testing.assert_array_equal(metrics["router_read"].sum(axis=1), [(4 * 32 - 2 * 5) * 53] * 2)
 
 
 def test_smf_with_every_chapter_is_the_dense_update():

@@ -38,4 +38,10 @@ def random_batch(config, seed):
   ids = rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
   mask = np.ones_like(ids)
   mask[::3, -5:] = 0
-  return {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
+  batch = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
+  if config.data.cluster.k:  # each row one document down a random path of the tree (node ids per level), -1 on pads
+    k, paths = config.data.cluster.k, np.zeros((rows, config.data.cluster.levels), np.int32)
+    for level in range(config.data.cluster.levels):
+      paths[:, level] = (paths[:, level - 1] * k if level else 0) + rng.integers(0, k, rows)
+    batch["cluster_path"] = np.where(mask[..., None] > 0, paths[:, None, :], -1).astype(np.int32)
+  return batch
