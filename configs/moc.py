@@ -230,18 +230,33 @@ RETENTION_LRS = (3e-5, 1e-4, 3e-4, 1e-3)  # full finetuning and the memory alone
 RETENTION_SGD = (1.0, 3.0, 10.0)          # sparse memory finetuning: SGD on the chosen chapters
 RETENTION_T = (1, 2, 4, 8)                # ... its chapters per update
 FROZEN_REST = {"train.base_lr": 0.0, "train.memory_lr": 0.0}
+# The paper's arm: instruction tuning, a shift to the chat format (MoC-PT's plain <|user|> rows, here questions on
+# facts B), at a tenth of the pre-training rate (the harness writes the chat files and sets data.name)
+RETENTION_FORMAT = {"data.facts.seed": 1, "data.facts.num_entities": 16, "data.facts.zipf_a": 0.0,
+                    "data.layout": "pad_truncate", "data.chat_format": "plain", "train.batch_size": 16,
+                    "train.grad_accum": 1, "train.schedule": "constant", "train.warmup_steps": 0}
+RETENTION_FORMAT_LR = 0.1       # of the pre-training rate
+RETENTION_FORMAT_BANK = 0.1     # the bank's `low` rate, of the format shift's
 
 
 def _retention_moc(c) -> dict:
-  """Phase 1's memory: fetched by the document's cluster path, the one whose bank holds a share of the facts on
-  tiny (docs/results/2026-11-27-cluster-routing-tiny.md)."""
-  return _cluster_arm(c)
+  """Phase 1's memory: FFN memory fetched by the document's cluster path, the memory that holds the largest share of
+  the facts it helps recall on tiny (docs/results/2026-11-28-subtree-ffn-tiny.md; chapters fetched the same way hold
+  less, and less the longer they train: docs/results/2026-11-28-retention-phase1.md)."""
+  return _ffn_arm(c)
+
+
+def _retention_dense(c) -> dict:
+  """The iso-FLOP dense model of phase 1's memory: the backbone, SwiGLU widened to its FLOPs per token."""
+  moc = c.copy_and_resolve_references()
+  moc.update_from_flattened_dict(_retention_moc(c))
+  return {**NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(moc, moc.memory.top_k)}
 
 
 def _retention_pretrain(c):
   """Phase 1: MoC and its iso-FLOP dense model on facts A, once per seed."""
   return _seeds([{**RETENTION_FACTS, **_retention_moc(c)},
-                 {**RETENTION_FACTS, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}])
+                 {**RETENTION_FACTS, **_retention_dense(c)}])
 
 
 def _retention_finetune(c):
@@ -251,7 +266,7 @@ def _retention_finetune(c):
   by TF-IDF, SGD; the rest at LR 0) at RETENTION_T x RETENTION_SGD; its controls, t random chapters of those read
   and the top-t by TF alone, at t = 4 and every SGD rate."""
   moc = {**RETENTION_STREAM, **_retention_moc(c)}
-  dense = {**RETENTION_STREAM, **NO_MEMORY, "model.mlp_dim": _iso_mlp_dim(c, c.memory.top_k)}
+  dense = {**RETENTION_STREAM, **_retention_dense(c)}
   smf = {**moc, **FROZEN_REST, "train.bank_optimizer": "smf", "train.bank_rule": "sgd"}
   points = [{**arm, "train.base_lr": lr, "train.memory_lr": lr} for arm in (dense, moc) for lr in RETENTION_LRS]
   points += [{**moc, **FROZEN_REST, "train.bank_lr": lr} for lr in RETENTION_LRS]
@@ -259,6 +274,18 @@ def _retention_finetune(c):
   points += [{**smf, "train.smf_top_t": 4, "train.smf_rank": rank, "train.bank_lr": r} for rank in ("random", "tf")
              for r in RETENTION_SGD]
   return _seeds(points)
+
+
+def _retention_format(c):
+  """The paper's retention arm from phase 1's weights (the harness adds train.init_from, A's tree, and the chat files
+  as data.name): the chat-format shift at RETENTION_FORMAT_LR of the pre-training rate, for the dense model and for
+  MoC with its bank frozen (out of the optimizer), at RETENTION_FORMAT_BANK of that rate, and at it."""
+  lr = float(f"{RETENTION_FORMAT_LR * c.train.base_lr:.6g}")
+  rates = {"train.base_lr": lr, "train.memory_lr": lr}
+  moc = {**RETENTION_FORMAT, **_retention_moc(c), **rates}
+  dense = {**RETENTION_FORMAT, **_retention_dense(c), **rates}
+  return _seeds([dense, {**moc, "train.freeze_bank": True},
+                 {**moc, "train.bank_lr": float(f"{RETENTION_FORMAT_BANK * lr:.6g}")}, moc])
 
 
 def _kinds(c):
@@ -313,7 +340,8 @@ def _cluster(c):
 SWEEPS = {"topk": _topk, "bank": _bank, "topk_bank": _topk_bank, "iso_flop": _iso_flop, "demo": _demo,
           "routing": _routing, "bank_seeds": _bank_seeds, "bank_scale": _bank_scale, "budget": _budget,
           "bank_lr": _bank_lr, "kinds": _kinds, "cluster": _cluster,
-          "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune}
+          "retention_pretrain": _retention_pretrain, "retention_finetune": _retention_finetune,
+          "retention_format": _retention_format}
 
 
 def get_sweep(name, config):

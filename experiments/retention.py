@@ -30,7 +30,7 @@ from absl import flags
 from experiments import harness
 from experiments.sweeps.launch import run_to_completion
 from experiments.sweeps.plan import plan, resolve
-from experiments.sweeps.report import mean_and_se
+from experiments.sweeps.report import mean_and_se, welch_t
 from moc_jax import cli, optim
 
 FLAGS = flags.FLAGS
@@ -43,14 +43,18 @@ def define_flags():
 
 # The quick size runs one point of each arm's sweep (its second rate; t = 4), for CI.
 SIZES = {
-    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 1800}, "finetune": {"train.steps": 16}},
+    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 1800}, "finetune": {"train.steps": 16},
+                "format": {"train.steps": 100}},
     "quick": {"seeds": (0,), "shapes": {"data.seq_len": 32, "train.batch_size": 4, "train.eval_batches": 1,
                                         "data.facts.num_docs": 200, "data.facts.num_val_docs": 20},
               "pretrain": {"train.steps": 4, "train.warmup_steps": 1}, "finetune": {"train.steps": 3},
+              "format": {"train.steps": 3, "data.seq_len": 96},  # a chat row whole: its answer is what is learnt
               "finetune_points": lambda o: (o.get("train.smf_top_t", 4) == 4
                                             and o.get("train.bank_lr", o.get("train.base_lr")) in (1e-4, 3.0))},
 }
 SCORES = "retention_scores.json"
+# Phase 1 must know A and have its memory hold a share of it, or no arm's retention can be told apart.
+PHASE1_RECALL, PHASE1_HELD = 0.9, 0.3
 
 
 def _phase(spec, sweep, size, extra, seeds, origin=None, keep=None):
@@ -90,6 +94,8 @@ def _kind(config) -> str:
 def family(config) -> str:
   """The arm a finetuning run belongs to, in words: the points of one family differ only in its sweep's knob."""
   t = config.train
+  if config.data.name.startswith("chat:"):
+    return FORMAT_SHIFT + _format_arm(config)
   if not config.memory.enabled:
     return "dense, full finetuning"
   bank = optim.bank_update(t)
@@ -103,6 +109,18 @@ def family(config) -> str:
   if frozen:
     return "MoC, the memory alone"
   return "MoC, full finetuning" if t.bank_lr in (None, t.memory_lr) else f"MoC, bank LR {t.bank_lr / t.memory_lr:g}x"
+
+
+FORMAT_SHIFT = "chat-format shift: "  # the paper's arm's families
+
+
+def _format_arm(config) -> str:
+  t = config.train
+  if not config.memory.enabled:
+    return "dense"
+  if t.freeze_bank:
+    return "MoC, bank frozen"
+  return "MoC, bank at the same rate" if t.bank_lr in (None, t.memory_lr) else f"MoC, bank at {t.bank_lr / t.memory_lr:g}x"
 
 
 def knob(config) -> str:
@@ -128,8 +146,29 @@ def _background(workdir):
 def _facts(config, facts):
   """`config`'s data reading the corpus `facts` (a data.facts dict: phase 1's A, phase 2's B)."""
   data = config.data.copy_and_resolve_references()
+  data.name = "moc_facts"  # the format shift's runs read chat files
   data.facts.update(facts)
   return data
+
+
+def chat_rows(probes) -> list[dict]:
+  """Chat rows (`data.name=chat:`) asking each probe's fact: the prompt as the user's turn, the answer as the
+  assistant's."""
+  return [{"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["answer"]}]}
+          for p in probes]
+
+
+def write_chat(directory, config, facts_a, facts_b) -> str:
+  """The format shift's data: B's facts asked in chat rows to train on, A's for its validation split (the format on
+  facts phase 1 knew); returns the data.name reading them."""
+  from moc_jax.data import load_probes
+  os.makedirs(directory, exist_ok=True)
+  for split, facts in (("train", facts_b), ("validation", facts_a)):
+    path = os.path.join(directory, f"chat_{split}.jsonl")
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in chat_rows(load_probes(_facts(config, facts))))
+    os.replace(path + ".tmp", path)
+  return "chat:" + os.path.join(directory, "chat_{split}.jsonl")
 
 
 def _probes(config, facts, tokenizer):
@@ -158,7 +197,9 @@ class _Scorer:
     path = os.path.join(workdir, SCORES)
     if os.path.exists(path):
       with open(path) as f:
-        return json.load(f)
+        scores = json.load(f)
+      if "held_A" in scores:  # scores written before the knock-out was measured are measured again
+        return scores
     from moc_jax import sharding
     from moc_jax.data.tokenizers import model_tokenizer
     from moc_jax.eval.ce import CEEvaluator, split_batches
@@ -185,10 +226,35 @@ class _Scorer:
         out = evaluator(params)
         scores.update({f"recall_{name}": out["probe_acc"], f"exact_{name}": out["probe_exact"],
                        f"probes_{name}": out["num_probes"], "chance": out["probe_chance"]})
+      scores.update(_knock_out(config, params, probes["A"], scores))
     with open(path + ".tmp", "w") as f:
       json.dump(scores, f, indent=1)
     os.replace(path + ".tmp", path)
     return scores
+
+
+def _knock_out(config, params, probes_a, scores) -> dict:
+  """Recall of A with the memory knocked out (every routable chapter, column or slot zeroed: `python -m moc_jax.eval
+  --ablate_chapters=routed`) and `held_A`, the share of the recall above chance that this removes (NaN without memory
+  or above-chance recall): how much of A the memory holds."""
+  if not config.memory.enabled:
+    return {"knocked_A": math.nan, "held_A": math.nan}
+  from moc_jax.eval import routing as ra
+  mask = ra.ablation_mask(("routed", None), ra.Usage(config))
+  knocked = probes_a(ra.zero_chapters(params, mask))["probe_acc"]
+  return {"knocked_A": knocked, "held_A": forgetting(scores["recall_A"], knocked, scores["chance"])}
+
+
+def phase1_verdict(scores) -> dict:
+  """Phase 1's MoC runs' scores (one per seed) -> {recall, held (means), met, text}: whether phase 1 knows A
+  (recall ≥ PHASE1_RECALL) with a memory that holds a share of it (held ≥ PHASE1_HELD) worth protecting."""
+  recall, recall_se = mean_and_se([s["recall_A"] for s in scores])
+  held, held_se = mean_and_se([s["held_A"] for s in scores])
+  met = recall >= PHASE1_RECALL and held >= PHASE1_HELD
+  text = (f"Phase 1 (MoC, {len(scores)} seeds): recall of A {recall:.3f} ± {recall_se:.3f} (needs ≥ {PHASE1_RECALL:g}); "
+          f"knocking the memory out removes {held:.0%} ± {held_se:.0%} of it above chance (needs ≥ {PHASE1_HELD:.0%}): "
+          + ("**met**" if met else "**not met**: the memory holds too little of A for its protection to show"))
+  return {"recall": recall, "held": held, "met": met, "text": text}
 
 
 def forgetting(before, after, chance) -> float:
@@ -238,6 +304,30 @@ def matched(summary, reference=FULL_FINETUNING) -> str:
       continue
     f = forgetting_at(points, level)
     lines.append(f"- {name}: " + ("does not learn as much" if f is None else f"forgetting {f:.3f}"))
+  return "\n".join(lines)
+
+
+def format_verdict(rows) -> str:
+  """Markdown: the paper's arm (the chat-format shift), each family's forgetting of A and rise of CE on A's text
+  (mean ± standard error over seeds), and each MoC family against the dense model: Welch's t of forgetting (dense
+  minus MoC: positive when MoC forgets less)."""
+  families = {}
+  for r in rows:
+    if r["family"].startswith(FORMAT_SHIFT):
+      chance = r["after"]["chance"]
+      families.setdefault(r["family"][len(FORMAT_SHIFT):], []).append(
+          (forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance), r["after"]["ce_A"] - r["before"]["ce_A"]))
+  if not families:
+    return ""
+  lines = ["The paper's arm, a chat-format shift at a tenth of the pre-training rate:", "",
+           "| arm | seeds | forgetting of A | CE on A's text, rise | against dense: Welch's t of forgetting |",
+           "|---|---:|---:|---:|---:|"]
+  dense = [f for f, _ in families.get("dense", [])]
+  for name, runs in families.items():
+    forgot, rise = zip(*runs)
+    (f, f_se), (c, c_se) = mean_and_se(forgot), mean_and_se(rise)
+    t = f"{welch_t(dense, forgot)[0]:+.2f}" if name != "dense" and len(dense) > 1 and len(runs) > 1 else ""
+    lines.append(f"| {name} | {len(runs)} | {f:.3f} ± {f_se:.3f} | {c:+.4f} ± {c_se:.4f} | {t} |")
   return "\n".join(lines)
 
 
@@ -310,7 +400,7 @@ def run(out, spec, quick, parallel) -> list[dict]:
   size = SIZES["quick" if quick else "default"]
   seeds = size["seeds"]
   out = os.path.abspath(out)
-  pre_dir, fine_dir = os.path.join(out, "pretrain"), os.path.join(out, "finetune")
+  pre_dir, fine_dir, format_dir = (os.path.join(out, name) for name in ("pretrain", "finetune", "format"))
   pretrain = _phase(spec, "retention_pretrain", size, size["pretrain"], seeds)
   run_to_completion(pre_dir, spec, "retention_pretrain", pretrain, parallel, "retention")
   origin = {(_kind(p.config), p.config.seed): (os.path.join(pre_dir, p.name), _tree(p.config)) for p in pretrain}
@@ -319,13 +409,20 @@ def run(out, spec, quick, parallel) -> list[dict]:
       _background(workdir)
   finetune = _phase(spec, "retention_finetune", size, size["finetune"], seeds, origin, size.get("finetune_points"))
   run_to_completion(fine_dir, spec, "retention_finetune", finetune, parallel, "retention")
-  scorer = _Scorer(pretrain[0].config.data.facts.to_dict(), finetune[0].config.data.facts.to_dict())
+  facts_a, facts_b = pretrain[0].config.data.facts.to_dict(), finetune[0].config.data.facts.to_dict()
+  chat = write_chat(os.path.join(format_dir, "chat"), pretrain[0].config, facts_a, facts_b)
+  shift = _phase(spec, "retention_format", size, {**size["format"], "data.name": chat}, seeds, origin)
+  run_to_completion(format_dir, spec, "retention_format", shift, parallel, "retention")
+  scorer = _Scorer(facts_a, facts_b)
   rows = [{"family": family(p.config), "arm": arm_label(p.config), "seed": p.config.seed,
            "before": scorer(origin[(_kind(p.config), p.config.seed)][0]),
-           "after": scorer(os.path.join(fine_dir, p.name))} for p in finetune]
+           "after": scorer(os.path.join(directory, p.name))}
+          for directory, points in ((fine_dir, finetune), (format_dir, shift)) for p in points]
   summary = summarise(rows)
+  phase1 = phase1_verdict([scorer(workdir) for (kind, _), (workdir, _) in origin.items() if kind == "moc"])
+  stream = [r for r in summary if not r["family"].startswith(FORMAT_SHIFT)]
   with open(os.path.join(out, "retention.md"), "w") as f:
-    f.write(markdown(summary) + "\n\n" + matched(summary) + "\n")
+    f.write("\n\n".join([phase1["text"], markdown(stream), matched(stream), format_verdict(rows)]) + "\n")
   write_csv(summary, os.path.join(out, "retention.csv"))
   with open(os.path.join(out, "retention_runs.json"), "w") as f:
     json.dump(rows, f, indent=1)

@@ -4,6 +4,7 @@ over seeds, against hand computations. The harness end to end runs in CI (`pytho
 import math
 
 import numpy as np
+import pytest
 
 from experiments import retention
 
@@ -87,3 +88,70 @@ def test_the_finetuning_sweep_is_six_families_of_points():
       "MoC, SMF (TF-IDF), SGD (t 4, lr 3)", "MoC, SMF control: TF alone, SGD (t 4, lr 3)",
       "MoC, SMF control: random chapters, SGD (t 4, lr 3)", "MoC, full finetuning (lr 0.0001)",
       "MoC, the memory alone (lr 0.0001)", "dense, full finetuning (lr 0.0001)"]
+
+
+def test_phase1_is_met_only_when_a_is_known_and_the_memory_holds_enough_of_it():
+  def scores(*pairs):  # (recall of A, its share held by the memory) per seed
+    return [{"recall_A": r, "held_A": h} for r, h in pairs]
+  met = retention.phase1_verdict(scores((0.95, 0.40), (0.91, 0.30), (0.93, 0.35)))
+  assert met["met"] and math.isclose(met["recall"], 0.93) and math.isclose(met["held"], 0.35)
+  assert "**met**" in met["text"]
+  assert not retention.phase1_verdict(scores((0.98, 0.15), (0.97, 0.16), (0.99, 0.14)))["met"]  # knows A, holds little
+  assert not retention.phase1_verdict(scores((0.60, 0.50), (0.70, 0.50), (0.65, 0.50)))["met"]  # holds, knows too little
+
+
+def test_knocking_the_memory_out_measures_its_share(monkeypatch):
+  """held_A = (recall - knocked-out recall) / (recall - chance), the knock-out zeroing every routable chapter."""
+  import moc_jax
+  from moc_jax.eval import routing as ra
+  config = moc_jax.load_config("configs/moc.py:tiny")
+  seen = {}
+
+  def zero_chapters(params, mask):
+    seen["mask"] = mask
+    return "zeroed"
+  monkeypatch.setattr(ra, "zero_chapters", zero_chapters)
+  probes = lambda params: {"probe_acc": 0.55 if params == "zeroed" else None}
+  out = retention._knock_out(config, "params", probes, {"recall_A": 0.85, "chance": 0.25})
+  assert math.isclose(out["knocked_A"], 0.55) and math.isclose(out["held_A"], 0.5)
+  shared = config.memory.num_shared
+  assert seen["mask"][:, :shared].sum() == 0 and seen["mask"][:, shared:config.memory.num_chapters].all()
+  dense = moc_jax.load_config("configs/vanilla.py:tiny")
+  assert all(map(math.isnan, retention._knock_out(dense, "params", probes, {"recall_A": 0.85}).values()))
+
+
+def test_the_format_shift_is_the_dense_model_and_moc_with_its_bank_frozen_low_and_equal():
+  """The paper's arm: a tenth of tiny's pre-training rate (3e-3) for every group, the bank frozen, at a tenth of that,
+  or at it; the chat files the harness writes are its data."""
+  from experiments.sweeps.plan import plan
+  points = [p.config for p in plan("configs/moc.py:tiny", "retention_format",
+                                   {"train.init_from": "x", "data.name": "chat:x_{split}.jsonl"})]
+  assert len(points) == 12 and sorted({c.seed for c in points}) == [0, 1, 2]
+  arms = {retention.family(c): c.train for c in points if c.seed == 0}
+  assert sorted(arms) == [retention.FORMAT_SHIFT + a for a in (
+      "MoC, bank at 0.1x", "MoC, bank at the same rate", "MoC, bank frozen", "dense")]
+  assert all(t.base_lr == t.memory_lr == pytest.approx(3e-4) for t in arms.values())
+  assert arms[retention.FORMAT_SHIFT + "MoC, bank frozen"].freeze_bank
+  assert arms[retention.FORMAT_SHIFT + "MoC, bank at 0.1x"].bank_lr == pytest.approx(3e-5)
+
+
+def test_chat_rows_ask_each_probe_and_answer_it():
+  rows = retention.chat_rows([{"prompt": "Ada Lovelace was born in", "answer": "London"}])
+  assert rows == [{"messages": [{"role": "user", "content": "Ada Lovelace was born in"},
+                                {"role": "assistant", "content": "London"}]}]
+
+
+def test_the_format_table_compares_each_moc_arm_with_dense_by_welchs_t():
+  def row(arm, seed, after, ce_after):
+    return {"family": retention.FORMAT_SHIFT + arm, "seed": seed, "before": {"recall_A": 0.85, "ce_A": 1.0},
+            "after": {"recall_A": after, "ce_A": ce_after, "chance": 0.25}}
+  rows = [row("dense", s, a, 1.2) for s, a in enumerate((0.45, 0.55, 0.50))]
+  rows += [row("MoC, bank frozen", s, a, 1.1) for s, a in enumerate((0.70, 0.75, 0.80))]
+  rows += [{"family": "MoC, full finetuning", "seed": 0}]  # a stream row: not in this table
+  table = retention.format_verdict(rows)
+  dense = [(0.85 - a) / 0.6 for a in (0.45, 0.55, 0.50)]
+  moc = [(0.85 - a) / 0.6 for a in (0.70, 0.75, 0.80)]
+  t = (np.mean(dense) - np.mean(moc)) / math.sqrt(np.var(dense, ddof=1) / 3 + np.var(moc, ddof=1) / 3)
+  assert f"| dense | 3 | {np.mean(dense):.3f} ± " in table and "| +0.2000 ± 0.0000 |  |" in table
+  assert f"| MoC, bank frozen | 3 | {np.mean(moc):.3f} ± " in table and f"| {t:+.2f} |" in table
+  assert "full finetuning" not in table
