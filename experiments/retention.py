@@ -43,7 +43,9 @@ def define_flags():
 
 # The quick size runs one point of each arm's sweep (its second rate; t = 4), for CI.
 SIZES = {
-    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 1800}, "finetune": {"train.steps": 16},
+    # phase 1: 900 steps; at step 900 of a 1,800-step run FFN memory knew A (0.976) and held 47% of it
+    # (docs/results/2026-11-28-retention-phase1-ffn.md)
+    "default": {"seeds": (0, 1, 2), "pretrain": {"train.steps": 900}, "finetune": {"train.steps": 16},
                 "format": {"train.steps": 100}},
     "quick": {"seeds": (0,), "shapes": {"data.seq_len": 32, "train.batch_size": 4, "train.eval_batches": 1,
                                         "data.facts.num_docs": 200, "data.facts.num_val_docs": 20},

@@ -20,6 +20,9 @@ from experiments.sweeps.runs import LOG, MANIFEST, finished, latest_checkpoint, 
 from moc_jax.errors import ConfigError
 
 BACKENDS = ("local", "tpu_pod", "slurm")
+# JAX's persistent compilation cache shared by a sweep's local runs (unless JAX_COMPILATION_CACHE_DIR is set): a
+# program compiled by one run is loaded by the next; the executable is the same, so are the losses.
+COMPILATION_CACHE = ".xla_cache"
 
 
 def commands(backend: str, spec: str, point: Point, workdir: str, backend_args=(),
@@ -138,6 +141,8 @@ class Launcher:
       self._save()
     os.makedirs(e["workdir"], exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (*self.python_path, os.environ.get("PYTHONPATH")) if p)}
+    if self.backend == "local":  # a sweep's runs compile the same programs (seeds, shared evaluations): once each
+      env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(self.dir, COMPILATION_CACHE))
     t0, rc = time.time(), 0
     with open(os.path.join(e["workdir"], LOG), "a") as log:
       for cmd in self.cmds[name]:

@@ -252,6 +252,8 @@ FAKE_MAIN = textwrap.dedent("""
     name = os.path.basename(workdir)
     with open(os.environ["CALLS"], "a") as f:
       f.write(name + "\\n")
+    with open(os.environ["CALLS"] + ".cache", "a") as f:
+      f.write(os.environ.get("JAX_COMPILATION_CACHE_DIR", "") + "\\n")
     if name in os.environ.get("FAIL", "").split(","):
       print("boom", file=sys.stderr)
       sys.exit(3)
@@ -284,11 +286,14 @@ def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, mo
   # k4 was interrupted at step 300: it holds a checkpoint and no final evaluation.
   os.makedirs(os.path.join(sweep_dir, "k4", "checkpoints", "300"))
   monkeypatch.setenv("FAIL", "k2")
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   launcher = Launcher(sweep_dir, spec, "topk", points)
   launcher.describe()
   assert "# k4: moc" in capsys.readouterr().out.split("resumes from step 300")[0]
   assert launcher.run(parallel=2) == {"done": 2, "failed": 1}
   assert sorted(fake_backend()) == ["k1", "k2", "k4"]
+  # the runs share one compilation cache in the sweep's directory
+  assert (tmp_path / "calls.cache").read_text().split() == [os.path.join(sweep_dir, launch.COMPILATION_CACHE)] * 3
   manifest = {e["name"]: e for e in read_manifest(sweep_dir)}
   assert [manifest[n]["status"] for n in ("k1", "k2", "k4")] == ["done", "failed", "done"]
   assert manifest["k2"]["returncode"] == 3 and manifest["k1"]["returncode"] == 0
