@@ -36,6 +36,7 @@ that holds that token, and the iterator state needs nothing beyond grain's own.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 
 import grain
@@ -68,6 +69,8 @@ def _to_element(record, *, to_example, layout, boundaries, eos_id, seq_len, path
     return None
   doc, labels = example
   if layout == "pad_truncate":
+    if (labels[seq_len:] != IGNORE).any() and not (labels[:seq_len] != IGNORE).any():
+      _warn_unlabelled(seq_len)
     ids, labels = doc[:seq_len], labels[:seq_len]
   else:
     eos_label = eos_id if labels[-1] != IGNORE else IGNORE  # chat: stop after assistant text only
@@ -78,6 +81,14 @@ def _to_element(record, *, to_example, layout, boundaries, eos_id, seq_len, path
   if paths is not None:
     element["cluster_path"] = paths(doc, len(ids))
   return element
+
+
+@functools.cache
+def _warn_unlabelled(seq_len):
+  """Once per process: a row cut to seq_len kept none of its labelled tokens (a chat row whose answer lies past the
+  cut), so it trains on nothing; a run of such rows logs a loss of 0."""
+  logging.warning("moc_jax: a row cut to data.seq_len=%d tokens keeps none of its labelled tokens (e.g. a chat answer "
+                  "past the cut): it trains on nothing; raise data.seq_len or shorten the rows", seq_len)
 
 
 class _Stage(grain.IterDataset):

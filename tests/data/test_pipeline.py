@@ -296,3 +296,25 @@ def test_a_stream_read_in_order_gives_each_update_one_entity(tmp_path):
     entity = names[4 * k].decode()
     assert all(t.startswith(entity) or f" {entity}" in t for t in texts), (k, texts)
     assert names[4 * k: 4 * k + 4] == [entity.encode()] * 4
+
+
+def test_a_row_cut_before_all_its_labels_warns_once(caplog):
+  """pad_truncate keeps the first seq_len tokens: a chat row whose answer lies past them trains on nothing, which the
+  log says (once a process), and a row that keeps some of its labels says nothing."""
+  from moc_jax.data import pipeline
+  from moc_jax.data.chat import IGNORE
+  pipeline._warn_unlabelled.cache_clear()
+  ids = np.arange(10, dtype=np.int32)
+  def element(labelled_from):
+    labels = np.where(np.arange(10) >= labelled_from, ids, IGNORE).astype(np.int32)
+    return pipeline._to_element(None, to_example=lambda _: (ids, labels), layout="pad_truncate", boundaries="none",
+                                eos_id=0, seq_len=6, paths=None)
+  with caplog.at_level("WARNING"):
+    kept = element(5)
+    assert not caplog.records and kept["labels"].tolist() == [IGNORE] * 5 + [5]
+    cut = element(7)
+    element(8)
+  assert (cut["labels"] == IGNORE).all() and len(cut["input_ids"]) == 6
+  assert [r.getMessage() for r in caplog.records] == [
+      "moc_jax: a row cut to data.seq_len=6 tokens keeps none of its labelled tokens (e.g. a chat answer past the "
+      "cut): it trains on nothing; raise data.seq_len or shorten the rows"]
