@@ -3,7 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # python3.12 is required (jax 0.12); pyenv machines may only expose it under their versions directory.
 PY312  ?= $(shell for p in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12 2>/dev/null); do $$p -c 'import sys; assert sys.version_info[:2]==(3,12)' >/dev/null 2>&1 && echo $$p && break; done)
-PYTEST_ARGS ?= -n 2
+# worksteal: a worker that runs out of tests takes some of those queued on the other
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: venv test test-slow run parity clean
 venv: $(VENV)/.installed

@@ -222,6 +222,7 @@ def test_mocpt_import_refuses_product_router():
     param_map(_config(65, 1))
 
 
+@pytest.mark.slow  # the whole model; the router's gradients against numpy: test_gradients_match_numpy
 def test_model_trains_through_product_router():
   """The whole model: the router's matrices get gradient from the LM loss alone (no router loss; the memory
   output projection starts non-zero, or nothing reaches the router at the first step)."""

@@ -142,7 +142,8 @@ def test_training_log_states_whether_the_run_is_causal():
   assert routing_statement(moc_jax.load_config("configs/vanilla.py:tiny")) == "no memory layers: causal"
 
 
-@pytest.mark.parametrize("routing", ["token", pytest.param("prefix", marks=pytest.mark.slow)])
+# slow: the kernel against its reference is tests/kernels/test_pallas.py's (default suite); this is the model around it
+@pytest.mark.parametrize("routing", [pytest.param(r, marks=pytest.mark.slow) for r in ("token", "prefix")])
 def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback(routing):
   """Whole-model loss and gradients with attention_impl=pallas (TPU kernels, interpret mode) vs xla."""
   seed = _seed()

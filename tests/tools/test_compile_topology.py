@@ -31,6 +31,7 @@ def command(*args, timeout=900):
   return proc.returncode, proc.stdout.splitlines(), proc.stderr
 
 
+@pytest.mark.slow  # compiles for the TPU three times; the search and the error reading: the unit tests below
 def test_a_micro_batch_too_large_is_one_line_naming_the_largest_that_fits(libtpu):
   """4,006 rows per device (2 x 2003) need about 3x a v5e's HBM: the compiler refuses the train step and the
   evaluation step; the search compiles 2 rows (fits, its train step holds both Mosaic kernels) and 2003 (does not)."""

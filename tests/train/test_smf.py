@@ -163,7 +163,7 @@ FFN = {"memory.kind": "ffn", "memory.routing": "cluster", "data.cluster.k": 4, "
        "memory.cluster_chapters": (43, 10), "memory.num_chapters": 332}
 
 
-@pytest.mark.parametrize("memory", [{}, FFN], ids=["chapters", "ffn"])
+@pytest.mark.parametrize("memory", [{}, pytest.param(FFN, marks=pytest.mark.slow)], ids=["chapters", "ffn"])
 def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical(memory):
   """Two banks, two micro-batches per update, top-3 of the chapters (65; FFN memory's 332 columns) by tf·idf with a
   random idf: per update, the chapters numpy ranks outside the top-3 (from the step's own read weights) keep

@@ -139,6 +139,7 @@ def test_xla_vs_analytic(capsys):
   assert set(r["components"]) == {"self_attention", "mlp", "memory", "head"}
 
 
+@pytest.mark.slow  # a profiled step end to end; its counting and timing rules: the tests below
 def test_step_profile(capsys):
   r = _run(step_profile, [f"--config={TINY}", "--batch_size=2", "--steps=1", "--warmup=0", "--top=5", *SHORT], capsys)
   assert len(r["top"]) == 5 and r["top"][0]["ms"] >= r["top"][-1]["ms"]

@@ -37,9 +37,10 @@ def test_a_model_without_memory_ignores_the_memory_fields_it_does_not_read():
 
 
 @pytest.mark.parametrize("a, b", [
-    # MoC, evaluated at the end only either way (slow: the vanilla case runs the same loop with both rules)
+    # MoC, evaluated at the end only either way
     pytest.param(ARM, {**ARM, "train.eval_every": 4}, marks=pytest.mark.slow),
-    (NO_MEMORY, {**NO_MEMORY, **ARM, "train.eval_every": 4}),  # no memory: the arm's fields are not read either
+    # no memory: the arm's fields are not read either (slow: the rule itself is the tests above)
+    pytest.param(NO_MEMORY, {**NO_MEMORY, **ARM, "train.eval_every": 4}, marks=pytest.mark.slow),
 ], ids=["moc-eval_every", "vanilla-memory-fields-eval_every"])
 def test_configs_that_are_the_same_run_train_the_same_losses(a, b, tmp_path):
   base = tu.overrides(tmp_path / "data")  # 2 steps, evaluated at step 0 and at the end
