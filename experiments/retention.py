@@ -122,7 +122,9 @@ def _format_arm(config) -> str:
     return "dense"
   if t.freeze_bank:
     return "MoC, bank frozen"
-  return "MoC, bank at the same rate" if t.bank_lr in (None, t.memory_lr) else f"MoC, bank at {t.bank_lr / t.memory_lr:g}x"
+  if t.bank_lr in (None, t.memory_lr):
+    return "MoC, bank at the same rate"
+  return f"MoC, bank at {t.bank_lr / t.memory_lr:g}x"
 
 
 def knob(config) -> str:
@@ -253,9 +255,11 @@ def phase1_verdict(scores) -> dict:
   recall, recall_se = mean_and_se([s["recall_A"] for s in scores])
   held, held_se = mean_and_se([s["held_A"] for s in scores])
   met = recall >= PHASE1_RECALL and held >= PHASE1_HELD
-  text = (f"Phase 1 (MoC, {len(scores)} seeds): recall of A {recall:.3f} ± {recall_se:.3f} (needs ≥ {PHASE1_RECALL:g}); "
-          f"knocking the memory out removes {held:.0%} ± {held_se:.0%} of it above chance (needs ≥ {PHASE1_HELD:.0%}): "
-          + ("**met**" if met else "**not met**: the memory holds too little of A for its protection to show"))
+  why = ("phase 1 does not know A well enough for its forgetting to show" if recall < PHASE1_RECALL else
+         "the memory holds too little of A for its protection to show")
+  text = (f"Phase 1 (MoC, {len(scores)} seeds): recall of A {recall:.3f} ± {recall_se:.3f} "
+          f"(needs ≥ {PHASE1_RECALL:g}); knocking the memory out removes {held:.0%} ± {held_se:.0%} of it above "
+          f"chance (needs ≥ {PHASE1_HELD:.0%}): " + ("**met**" if met else f"**not met**: {why}"))
   return {"recall": recall, "held": held, "met": met, "text": text}
 
 
@@ -317,8 +321,8 @@ def format_verdict(rows) -> str:
   for r in rows:
     if r["family"].startswith(FORMAT_SHIFT):
       chance = r["after"]["chance"]
-      families.setdefault(r["family"][len(FORMAT_SHIFT):], []).append(
-          (forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance), r["after"]["ce_A"] - r["before"]["ce_A"]))
+      forgot = forgetting(r["before"]["recall_A"], r["after"]["recall_A"], chance)
+      families.setdefault(r["family"][len(FORMAT_SHIFT):], []).append((forgot, r["after"]["ce_A"] - r["before"]["ce_A"]))
   if not families:
     return ""
   lines = ["The paper's arm, a chat-format shift at a tenth of the pre-training rate:", "",

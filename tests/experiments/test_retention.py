@@ -96,8 +96,10 @@ def test_phase1_is_met_only_when_a_is_known_and_the_memory_holds_enough_of_it():
   met = retention.phase1_verdict(scores((0.95, 0.40), (0.91, 0.30), (0.93, 0.35)))
   assert met["met"] and math.isclose(met["recall"], 0.93) and math.isclose(met["held"], 0.35)
   assert "**met**" in met["text"]
-  assert not retention.phase1_verdict(scores((0.98, 0.15), (0.97, 0.16), (0.99, 0.14)))["met"]  # knows A, holds little
-  assert not retention.phase1_verdict(scores((0.60, 0.50), (0.70, 0.50), (0.65, 0.50)))["met"]  # holds, knows too little
+  little = retention.phase1_verdict(scores((0.98, 0.15), (0.97, 0.16), (0.99, 0.14)))  # knows A, holds little
+  unknown = retention.phase1_verdict(scores((0.60, 0.50), (0.70, 0.50), (0.65, 0.50)))  # holds, knows too little
+  assert not little["met"] and "the memory holds too little" in little["text"]
+  assert not unknown["met"] and "does not know A well enough" in unknown["text"]
 
 
 def test_knocking_the_memory_out_measures_its_share(monkeypatch):
