@@ -221,20 +221,19 @@ def _bank_lr(c):
 # Retention (docs/retention.md, `python -m experiments.retention`): pre-train on facts A until they are known, then
 # learn new facts B one entity per update, every arm swept over its rate (and SMF's t), compared at matched learning.
 RETENTION_FACTS = {"data.facts.num_entities": 32, "data.facts.zipf_a": 0.5}  # facts A
-# facts B: 16 new entities streamed one an update, each in 16 paraphrased documents, one a row, at a constant rate
-RETENTION_STREAM = {"data.facts.seed": 1, "data.facts.order": "stream", "data.facts.zipf_a": 0.0,
-                    "data.facts.num_entities": 16, "data.facts.num_docs": 256, "data.shuffle": False,
-                    "data.layout": "pad_truncate", "train.batch_size": 16, "train.grad_accum": 1,
-                    "train.schedule": "constant", "train.warmup_steps": 0}  # the harness runs 16 steps: the stream
+# facts B: 16 new entities, one a row, 16 rows an update at a constant rate
+RETENTION_B = {"data.facts.seed": 1, "data.facts.zipf_a": 0.0, "data.facts.num_entities": 16,
+               "data.layout": "pad_truncate", "train.batch_size": 16, "train.grad_accum": 1,
+               "train.schedule": "constant", "train.warmup_steps": 0}
+# ... streamed one entity an update, each in 16 paraphrased documents (the harness runs 16 steps: the stream)
+RETENTION_STREAM = {**RETENTION_B, "data.facts.order": "stream", "data.facts.num_docs": 256, "data.shuffle": False}
 RETENTION_LRS = (3e-5, 1e-4, 3e-4, 1e-3)  # full finetuning and the memory alone (AdamW)
 RETENTION_SGD = (1.0, 3.0, 10.0)          # sparse memory finetuning: SGD on the chosen chapters
 RETENTION_T = (1, 2, 4, 8)                # ... its chapters per update
 FROZEN_REST = {"train.base_lr": 0.0, "train.memory_lr": 0.0}
 # The paper's arm: instruction tuning, a shift to the chat format (MoC-PT's plain <|user|> rows, here questions on
 # facts B), at a tenth of the pre-training rate (the harness writes the chat files and sets data.name)
-RETENTION_FORMAT = {"data.facts.seed": 1, "data.facts.num_entities": 16, "data.facts.zipf_a": 0.0,
-                    "data.layout": "pad_truncate", "data.chat_format": "plain", "train.batch_size": 16,
-                    "train.grad_accum": 1, "train.schedule": "constant", "train.warmup_steps": 0}
+RETENTION_FORMAT = {**RETENTION_B, "data.chat_format": "plain"}
 RETENTION_FORMAT_LR = 0.1       # of the pre-training rate
 RETENTION_FORMAT_BANK = 0.1     # the bank's `low` rate, of the format shift's
 

@@ -190,12 +190,20 @@ def _probes(config, facts, tokenizer):
 
 
 class _Scorer:
-  """Recall of facts A and B and CE on A's validation split of checkpoints (`facts_a`, `facts_b`: the two
-  corpora's data.facts), the evaluators built once per model shape (the phase-2 arms of a kind share them)."""
+  """Recall of facts A and B and CE on A's validation split of checkpoints (`data_a`: phase 1's data config, `facts_b`:
+  B's data.facts), the evaluators built once per model shape (the phase-2 arms of a kind share them)."""
 
-  def __init__(self, facts_a, facts_b):
-    self.facts = {"A": facts_a, "B": facts_b}
+  def __init__(self, data_a, facts_b):
+    self.data_a = data_a
+    self.facts = {"A": data_a.facts.to_dict(), "B": facts_b}
     self.cache = {}
+
+  def _a_split(self, config):
+    """A's validation text as phase 1 read it (its layout and row length: phase 2's stream and chat rows are cut
+    otherwise, and a CE rise must compare like with like), by the run's own cluster tree (none for dense)."""
+    data = self.data_a.copy_and_resolve_references()
+    data.cluster = config.data.cluster.copy_and_resolve_references()
+    return data
 
   def __call__(self, workdir) -> dict:
     path = os.path.join(workdir, SCORES)
@@ -220,7 +228,7 @@ class _Scorer:
         probes = {name: ProbeEvaluator(layout.graphdef, _probes(config, facts, tokenizer), tokenizer)
                   for name, facts in self.facts.items()}
         config_a = config.copy_and_resolve_references()
-        config_a.data = _facts(config, self.facts["A"])
+        config_a.data = self._a_split(config)
         ce = CEEvaluator(layout.graphdef, layout.shardings["params"], sharding.data_sharding(config, mesh),
                          split_batches(config_a, "validation"))
         self.cache[key] = probes, ce
@@ -419,7 +427,7 @@ def run(out, spec, quick, parallel) -> list[dict]:
   chat = write_chat(os.path.join(format_dir, "chat"), pretrain[0].config, facts_a, facts_b)
   shift = _phase(spec, "retention_format", size, {**size["format"], "data.name": chat}, seeds, origin)
   run_to_completion(format_dir, spec, "retention_format", shift, parallel, "retention")
-  scorer = _Scorer(facts_a, facts_b)
+  scorer = _Scorer(pretrain[0].config.data, facts_b)
   rows = [{"family": family(p.config), "arm": arm_label(p.config), "seed": p.config.seed,
            "before": scorer(origin[(_kind(p.config), p.config.seed)][0]),
            "after": scorer(os.path.join(directory, p.name))}

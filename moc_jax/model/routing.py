@@ -91,8 +91,8 @@ def cluster_tree(cfg) -> tuple:
 
 
 def cluster_reads(paths, num_shared, tree, valid=None):
-  """A path-fetched read's chapters (`cluster_chapters` on `cluster_tree`'s tree) and `load` [C]: the reads of each path-owned chapter over the real positions (`valid` [B, L]), the
-  router health a router's choice would report."""
+  """A path-fetched read's chapters (`cluster_chapters` on `cluster_tree`'s tree) and `load` [C]: the reads of each
+  path-owned chapter over the real positions (`valid` [B, L]), the router health a router's choice would report."""
   k, per_level, num_chapters, generic = tree
   chapters = cluster_chapters(paths, num_shared, k, per_level, generic)
   routed = chapters[..., num_shared:]
@@ -246,9 +246,10 @@ def grid_router_losses(g: GridLogits, routed_ids, num_shared, load_balance):
 
 def read_weight(chapters, weights, num_chapters, valid=None):
   """How much each chapter was read: per memory layer, the chapter weights of every decision summed per chapter.
-  chapters / weights [n_mem, ..., s+k] (aux `chapters` / `weights`), optional `valid` masking the decisions
-  (broadcast against chapters[1:-1]) -> [n_mem, num_chapters] float32, outside the gradient."""
-  w = jax.lax.stop_gradient(weights).astype(jnp.float32)
+  chapters / weights [n_mem, ..., s+k] (aux `chapters` / `weights`; weights None: each chapter read whole, weight 1,
+  as FFN memory reads its path's columns), optional `valid` masking the decisions (broadcast against
+  chapters[1:-1]) -> [n_mem, num_chapters] float32, outside the gradient."""
+  w = jnp.ones(chapters.shape, jnp.float32) if weights is None else jax.lax.stop_gradient(weights).astype(jnp.float32)
   if valid is not None:
     w = w * valid[..., None].astype(jnp.float32)
   flat = lambda x: x.reshape(x.shape[0], -1)

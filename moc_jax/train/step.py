@@ -126,9 +126,8 @@ def make_train_step(graphdef, tx, config, idf=None):
     if "load" in aux:  # chapter reads: a router's choice, or cluster routing's paths
       stats["router_load"] = aux["load"] * accum  # summed over the update's micro-batches below
       if bank.smf:
-        # FFN memory reads every column of a position's path whole: weight 1 (it reports no chapter weights)
-        weights = aux["weights"] if "weights" in aux else jnp.ones(aux["chapters"].shape, jnp.float32)
-        read = read_weight(aux["chapters"], weights, mem.num_chapters, _decision_mask(aux["chapters"], batch))
+        read = read_weight(aux["chapters"], aux.get("weights"), mem.num_chapters,
+                           _decision_mask(aux["chapters"], batch))
         stats["router_read"] = read * accum
     if "entropy" in aux:
       stats["router_entropy"] = jnp.mean(aux["entropy"])

@@ -157,3 +157,18 @@ def test_the_format_table_compares_each_moc_arm_with_dense_by_welchs_t():
   assert f"| dense | 3 | {np.mean(dense):.3f} ± " in table and "| +0.2000 ± 0.0000 |  |" in table
   assert f"| MoC, bank frozen | 3 | {np.mean(moc):.3f} ± " in table and f"| {t:+.2f} |" in table
   assert "full finetuning" not in table
+
+
+def test_a_is_scored_as_phase_1_read_it_by_the_runs_own_tree():
+  """CE on A's text is measured with phase 1's layout and row length whatever the run trained on (the format shift's
+  chat rows, the stream's one document a row), so a rise compares like with like; the cluster tree is the run's."""
+  import moc_jax
+  phase1 = moc_jax.load_config("configs/moc.py:tiny", {"data.facts.num_entities": 32, "data.cluster.k": 4,
+                                                       "memory.routing": "cluster", "memory.cluster_chapters": (4, 3)})
+  shift = moc_jax.load_config("configs/moc.py:tiny", {"data.layout": "pad_truncate", "data.seq_len": 96,
+                                                      "data.facts.seed": 1, "memory.enabled": False,
+                                                      "memory.placement": "none"})
+  data = retention._Scorer(phase1.data, {"seed": 1})._a_split(shift)
+  assert (data.layout, data.seq_len, data.name) == (phase1.data.layout, phase1.data.seq_len, "moc_facts")
+  assert data.facts.to_dict() == phase1.data.facts.to_dict() and data.cluster.k == 0
+  assert phase1.data.layout != "pad_truncate" and phase1.data.seq_len != 96  # the test can tell them apart

@@ -130,6 +130,10 @@ def test_read_weight_sums_chapter_weights_per_layer():
     want[layer, chapters[layer, b, pos, slot]] += weights[layer, b, pos, slot] * valid[b, pos]
   got = read_weight(jnp.asarray(chapters), jnp.asarray(weights), 6, jnp.asarray(valid))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+  counts = np.zeros((2, 6))  # no weights (FFN memory's columns): each read counts 1
+  for layer, b, pos, slot in np.ndindex(chapters.shape):
+    counts[layer, chapters[layer, b, pos, slot]] += valid[b, pos]
+  np.testing.assert_array_equal(np.asarray(read_weight(jnp.asarray(chapters), None, 6, jnp.asarray(valid))), counts)
 
 
 # --- the real jitted train step on the tiny model ----------------------------------------------------------
