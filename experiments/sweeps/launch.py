@@ -106,7 +106,7 @@ class Launcher:
   def run(self, parallel=1) -> dict:
     """Launches every point that is not done; returns {status: count} over the sweep's points."""
     os.makedirs(self.dir, exist_ok=True)
-    todo = [p.name for p in self.points if self.entries[p.name]["status"] != "done"]
+    todo = self.order(parallel)
     self._save()
     print(f"sweep {self.dir}: {len(self.points) - len(todo)} of {len(self.points)} points done, running "
           f"{len(todo)} ({self.backend}, {parallel} at a time)", file=self.out, flush=True)
@@ -128,6 +128,18 @@ class Launcher:
     for e in self.entries.values():
       counts[e["status"]] = counts.get(e["status"], 0) + 1
     return counts
+
+  def order(self, parallel) -> list[str]:
+    """The points not done, in the order they start: the plan's one at a time; the most training FLOPs left (from
+    the newest checkpoint) first when several run at once, so that the sweep ends when its longest run does, not
+    after a long run started last."""
+    todo = [p for p in self.points if self.entries[p.name]["status"] != "done"]
+    if parallel > 1:
+      def left(p):
+        steps, done = p.config.train.steps, latest_checkpoint(self.entries[p.name]["workdir"]) or 0
+        return compute(p.config)["train_flops"] * max(steps - done, 0) / steps
+      todo.sort(key=left, reverse=True)
+    return [p.name for p in todo]
 
   def _save(self):
     write_manifest(self.dir, [*self.entries.values(), *self.others])

@@ -311,6 +311,21 @@ def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, mo
     Launcher(sweep_dir, spec, "bank", plan(spec, "bank"))
 
 
+def test_parallel_points_start_with_the_most_training_left(tmp_path):
+  """One at a time the plan's order; several at once the most FLOPs left first: k4 reads the most but is a step
+  from its end, k2 reads more than k1, and k8 is done."""
+  spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
+  points = plan(spec, "topk", only=["k1", "k2", "k4", "k8"])
+  steps = points[0].config.train.steps
+  os.makedirs(os.path.join(sweep_dir, "k4", "checkpoints", str(steps - 1)))
+  os.makedirs(os.path.join(sweep_dir, "k8", "checkpoints", str(steps)))
+  with open(os.path.join(sweep_dir, "k8", "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": steps, "split": "validation", "ce": 1.0}) + "\n")
+  launcher = Launcher(sweep_dir, spec, "topk", points)
+  assert launcher.order(1) == ["k1", "k2", "k4"]
+  assert launcher.order(2) == ["k2", "k1", "k4"]
+
+
 def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypatch, fake_backend, capsys):
   spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
   monkeypatch.setenv("SLOW", "k1")
