@@ -10,6 +10,8 @@ a TPU topology, not by every process at its first use of a backend.
 import io
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -22,6 +24,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moc_jax-test-xla-cache-")
+
+# The suite's CPU time is mostly compilation: LLVM at -O0 without its expensive passes roughly halves it (tests that
+# train for long were already run this way in their own processes). It changes how fast the machine code runs, not
+# the program XLA optimises (its HLO passes, fusion, buffer assignment) nor its float semantics, and every result is
+# checked against an independent reference with the same tolerance. Set once, for the workers and their commands.
+# Tests marked `default_backend` compare two programs of the same sums to float rounding of one summation order (the
+# masked lazy AdamW step against the dense one), which -O0 emits differently in one of them: they run in a child
+# pytest with LLVM as users have it (`pytest_pyfunc_call` below).
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_DEFAULT_BACKEND = "MOC_JAX_TEST_DEFAULT_BACKEND"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and not os.environ.get(_DEFAULT_BACKEND):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import jax
 import jax.numpy as jnp
@@ -99,3 +113,16 @@ def sp_path(tmp_path_factory):
 def pytest_sessionfinish(session):
   if _OWN_CACHE:
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_pyfunc_call(pyfuncitem):
+  """A `default_backend` test under the suite's -O0 flags runs again, alone, in a child pytest without them."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if pyfuncitem.get_closest_marker("default_backend") is None or _FAST_COMPILE not in flags:
+    return None
+  env = {**os.environ, "XLA_FLAGS": flags.replace(_FAST_COMPILE, "").strip(), _DEFAULT_BACKEND: "1"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "",
+                         pyfuncitem.nodeid], cwd=root, env=env, capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  return True

@@ -321,11 +321,7 @@ def sharded_main():
 @pytest.fixture(scope="module")
 def sharded():
   """The worker's outputs: {"layouts": {layout: {key: array}}, "rejected": {call: message}}."""
-  # compile time dominates these small cases: XLA's backend optimisation is turned down (as in the other
-  # multi-device workers); a gather moves the same bits either way
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES),
-         "XLA_FLAGS": flags}
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES)}
   proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, check=False,
                         timeout=600, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -175,9 +175,7 @@ def main(argv):
 
 
 def run_worker(*args):
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES),
-         "XLA_FLAGS": flags}
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(DEVICES)}
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True,
                         check=False, timeout=900, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -192,6 +192,7 @@ def test_chapters_outside_the_top_t_keep_bank_and_optimizer_state_bit_identical(
     np.testing.assert_array_equal(metrics["router_read"].sum(axis=1), [(4 * 32 - 2 * 5) * 53] * 2)
 
 
+@pytest.mark.default_backend
 def test_smf_with_every_chapter_is_the_dense_update():
   """top-t = every chapter: whatever the reads and the background, the mask is all chapters and three updates
   equal dense AdamW (every parameter, the bank's moments) to float32 rounding."""
