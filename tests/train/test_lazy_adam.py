@@ -147,8 +147,8 @@ def run_updates(params, tx, masks, sparse=False):
   return history
 
 
-@pytest.mark.default_backend
-@pytest.mark.parametrize("sparse", [False, True], ids=["masked", "rows"])
+@pytest.mark.parametrize("sparse", [pytest.param(False, id="masked", marks=pytest.mark.default_backend),
+                                    pytest.param(True, id="rows")])
 def test_every_chapter_read_every_update_equals_dense_adamw(sparse):
   """With an all-true mask lazy Adam is AdamW: every parameter (the rest of the model too), the bank's
   moments, and counts equal to the number of updates."""
