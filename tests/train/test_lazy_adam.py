@@ -320,7 +320,8 @@ def test_checkpoint_round_trip_keeps_the_chapter_counts(trained, tmp_path):
 # Routed per sequence (tiny's prefix routing decides at every position and reads every chapter in one update), so
 # that three updates leave chapters unread and their counts at zero.
 SHARDED = {"model.compute_dtype": "float32", "model.max_seq_len": 32, "data.seq_len": 32, "train.batch_size": 4,
-           "train.warmup_steps": 1, "memory.top_k": 4, "memory.routing": "sequence", "train.bank_optimizer": "lazy_adam"}
+           "train.warmup_steps": 1, "memory.top_k": 4, "memory.routing": "sequence",
+           "train.bank_optimizer": "lazy_adam"}
 MESHES = {"memory4": ({"mesh.data": 1, "mesh.memory": 4}, None),
           "one_device": ({"mesh.data": 1, "num_fake_devices": 1}, 1)}
 
