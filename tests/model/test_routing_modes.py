@@ -20,7 +20,8 @@ def _cfg(**overrides):
 
 
 def _seed():
-  return int(np.random.SeedSequence().entropy % 2**31)
+  """Fixed: a failure reproduces, and a pass does not depend on the draw."""
+  return 20261128
 
 
 def _numpy_routing_input(h, valid, routing, chunk):
@@ -90,19 +91,19 @@ def test_prefix_position_t_reads_what_sequence_routing_reads_on_the_first_t_toke
 
 
 def test_chunk_mode_routes_chunk_zero_on_the_router_bias_and_later_chunks_on_their_past():
+  """Chunk 0 sees nothing: the router bias alone picks it. With one memory layer, chunk c picks what the
+  sequence model picks on the c x 8 tokens before it (an identity, so it holds for every seed)."""
   seed = _seed()
-  _, chunked = _models("chunk", seed, **{"memory.routing_chunk": 8})
-  tokens = jnp.asarray(np.random.default_rng(seed).integers(1, 260, (2, 24)))
-  _, aux = chunked(tokens)
-  chapters = np.asarray(aux["chapters"])  # [n_mem, B, chunks, s+k]
-  assert chapters.shape[:3] == (2, 2, 3)
-  biases = np.asarray(chunked.layers.blocks[1].memory.router.proj.bias[...])  # scanned: [groups, C]
-  for layer, bias in enumerate(biases):
-    routed = set(np.argsort(-bias[1:])[:8] + 1)
-    assert all(set(chapters[layer, b, 0, 1:]) == routed for b in range(2))
-  # later chunks route on their past: chunks 1 and 2 (means of 8 and 16 inputs) differ somewhere (rows 0 and 1
-  # of both layers; one row of one layer alone picks the same top-8 for some seeds)
-  assert (chapters[:, :, 1] != chapters[:, :, 2]).any(), f"seed {seed}"
+  seq, chunked = _models("chunk", seed, **{"memory.routing_chunk": 8, "memory.layer_indices": (3,)})
+  tokens = np.random.default_rng(seed).integers(1, 260, (2, 24))
+  chapters = np.asarray(chunked(jnp.asarray(tokens))[1]["chapters"])  # [n_mem, B, chunks, s+k]
+  assert chapters.shape[:3] == (1, 2, 3)
+  bias = np.asarray(chunked.layers.blocks[3].memory.router.proj.bias[...])  # one group: not scanned, [C]
+  routed = set(np.argsort(-bias[1:])[:8] + 1)
+  assert all(set(chapters[0, b, 0, 1:]) == routed for b in range(2))
+  for c in (1, 2):
+    past = np.asarray(seq(jnp.asarray(tokens[:, :8 * c]))[1]["chapters"])  # [n_mem, B, s+k]
+    np.testing.assert_array_equal(chapters[0, :, c], past[0], err_msg=f"chunk {c}, seed {seed}")
 
 
 def test_per_position_modes_train_the_router_through_the_chapter_weights():
