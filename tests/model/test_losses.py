@@ -12,7 +12,7 @@ from moc_jax.losses import IGNORE, lm_loss
 # moc (slow): the chunking is the loss's, whatever the model; vanilla checks it by default
 @pytest.mark.parametrize("spec", [pytest.param("configs/moc.py:tiny", marks=pytest.mark.slow), "configs/vanilla.py:tiny"])
 def test_chunked_loss_matches_whole_sequence_loss(spec):
-  seed = int(np.random.default_rng().integers(1 << 30))
+  seed = 618033988  # fixed: a failure reproduces
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, 260, (3, 32)).astype(np.int32)
   labels = np.where(rng.random((3, 32)) < 0.25, IGNORE, ids).astype(np.int32)

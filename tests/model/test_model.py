@@ -215,7 +215,7 @@ def test_model_code_names_no_mesh_axes():
 
 def test_remat_works_on_a_model_merged_outside_a_jax_loop():
   """Greedy decoding merges the model once and calls it in a fori_loop; remat must not mutate it."""
-  outs, ids = [], np.random.default_rng().integers(0, 260, (2, 16))
+  outs, ids = [], np.random.default_rng(0).integers(0, 260, (2, 16))
   for remat in ("full", "none"):
     cfg = moc_jax.load_config("configs/moc.py:tiny", {"model.num_layers": 2, "memory.layer_indices": (1,),
                                                       "model.remat": remat, "model.compute_dtype": "float32"})
