@@ -42,7 +42,9 @@ NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooli
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
 costliest memory arm, every bank projection its routing computes included), and `pkm`, `hml` where the schema has
 `memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's
-`--config=configs/capacity.py:moc,bound`).
+`--config=configs/capacity.py:moc,bound`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
+kept (the steps scale with N: `moc,bound,entities=1024` is half the `bound` study's steps at 0.89 bits of facts per
+narrow parameter).
 """
 from moc_jax.config import schema, sibling
 
@@ -93,9 +95,9 @@ def memory_arms() -> dict:
   return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
 
 
-def _study(c, docs_per_entity=DOCS_PER_ENTITY):
+def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
-  biography corpus, one pass over it (docs_per_entity readings of each entity)."""
+  biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each)."""
   c.model.update(vocab_size=260, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=96, max_seq_len=192)
   c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=2, num_kv_heads=2,
                   layer_indices=(1, 3))
@@ -104,9 +106,9 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY):
     c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=32)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
   c.data.update(seq_len=192, layout="pack_whole")
-  c.data.facts.update(style="biography", zipf_a=0.0, num_entities=ENTITIES, num_docs=ENTITIES * docs_per_entity,
+  c.data.facts.update(style="biography", zipf_a=0.0, num_entities=entities, num_docs=entities * docs_per_entity,
                       num_val_docs=512)
-  steps = ENTITIES * docs_per_entity // BATCH
+  steps = entities * docs_per_entity // BATCH
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
   c.train.update(batch_size=BATCH, steps=steps, warmup_steps=steps // 32, decay_start_ratio=0.8, base_lr=LR,
                  memory_lr=LR, bank_weight_decay=0.0, log_every=50, eval_every=steps // EVALS, eval_batches=None,
@@ -189,13 +191,31 @@ def _models() -> dict:
   return out
 
 
+def _entities(mods, docs_per_entity) -> int:
+  """The `entities=N` modifier's N (ENTITIES without it): the same readings per entity over N entities, the steps
+  scaled with them, for sizes between the preflight's and the study's."""
+  given = [m for m in mods if m.startswith("entities=")]
+  if not given:
+    return ENTITIES
+  n = given[-1].removeprefix("entities=")
+  least = -(-BATCH * 32 // docs_per_entity)  # 32 steps: one of warm-up (steps // 32), checkpoints 2 apart
+  if len(given) > 1 or not n.isdigit() or int(n) < least:
+    raise ValueError(f"config modifiers {sorted(given)}: give one `entities=N`, N a whole number of at least {least} "
+                     "at these readings per entity (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
+  return int(n)
+
+
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  if mods - {"bound"}:
-    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(mods - {'bound'})}; configs/capacity.py takes "
-                     "`bound` (e.g. `configs/capacity.py:moc,bound`)")
-  base = _study(schema.base_config(), BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY)
+  unknown = {m for m in mods if m != "bound" and not m.startswith("entities=")}
+  if unknown:
+    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes "
+                     "`bound` and `entities=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
+  docs_per_entity = BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY
+  entities = _entities(mods, docs_per_entity)
+  base = _study(schema.base_config(), docs_per_entity, entities)
   base.update_from_flattened_dict(models[name](base))
-  base.name = f"capacity-{name.replace('=', '-')}" + ("-bound" if "bound" in mods else "")
+  base.name = (f"capacity-{name.replace('=', '-')}" + ("-bound" if "bound" in mods else "")
+               + (f"-e{entities}" if entities != ENTITIES else ""))
   return base

@@ -102,8 +102,22 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.data.facts.num_entities == default.data.facts.num_entities
   assert bound.train.steps == 8 * default.train.steps == 25_600 and bound.train.warmup_steps == 800
   assert (bound.train.eval_every, bound.train.checkpoint_every) == (6400, 1600) and bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`"):
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound` and `entities=N`"):
     load_config("configs/capacity.py:moc,huge")
+
+
+def test_entities_keeps_the_readings_per_entity_and_scales_the_steps():
+  from moc_jax import load_config
+  half = load_config("configs/capacity.py:dense,bound,entities=1024")
+  assert (half.data.facts.num_entities, half.data.facts.num_docs) == (1024, 1024 * 400)
+  assert (half.train.steps, half.train.warmup_steps, half.train.eval_every, half.train.checkpoint_every) == (
+      12_800, 400, 3200, 800)
+  assert half.name == "capacity-dense-bound-e1024"
+  # 21 entities x 50 readings / 32 rows = 32 steps (one of warm-up); 20 would give 31
+  assert load_config("configs/capacity.py:dense,entities=21").train.steps == 32
+  for bad in ("entities=20", "entities=many", "entities=64,entities=128"):
+    with pytest.raises(ValueError, match=r"give one `entities=N`, N a whole number of at least 21"):
+      load_config(f"configs/capacity.py:dense,{bad}")
 
 
 def test_the_sweeps():
