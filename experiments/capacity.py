@@ -44,7 +44,8 @@ chance (means over seeds).
 
 --stages runs some stages (the default size takes hours: split it over invocations or machines sharing DIR); a stage
 left out is not run, but capacity.md reports what DIR holds of it. `--config=configs/capacity.py:moc,bound` is the
-size at which the narrow backbone takes these facts up at all (400 readings per entity; its docstring has the hours). At the start of each stage the command prints the
+size at which the narrow backbone takes these facts up at all (400 readings per entity; its docstring has the hours);
+`moc,bound,entities=N` the same readings of N entities. At the start of each stage the command prints the
 corpus's bits of facts beside each model's parameters.
 """
 from __future__ import annotations
