@@ -184,6 +184,12 @@ def read_runs(out, sweep, size) -> list[dict] | None:
   return runs
 
 
+def read_all(out, size) -> dict:
+  """sweep -> read_runs of every sweep of every stage: read again before each stage and the report, so that what
+  invocations sharing DIR finished meanwhile counts."""
+  return {sweep: read_runs(out, sweep, size) for stage in STAGES for sweep in SWEEPS[stage]}
+
+
 def _done(runs) -> list[dict]:
   return [r for r in runs or () if r["status"] == "done"]
 
@@ -388,11 +394,11 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
   size_name = "quick" if quick else "default"
   size, out = SIZES[size_name], os.path.abspath(out)
   os.makedirs(out, exist_ok=True)
-  runs = {sweep: read_runs(out, sweep, size) for stage in STAGES for sweep in SWEEPS[stage]}
   wall, refusal = {}, None
   for stage in STAGES:
     if stage not in stages:
       continue
+    runs = read_all(out, size)  # another invocation sharing DIR may have finished runs since
     gate = _gate(spec, size, runs)
     if stage in ("arms", "confirm") and not gate["passed"] and not quick:
       failed = "; ".join(numbers for _, met, numbers in gate["checks"] if not met)
@@ -412,6 +418,7 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
     if refusal:
       break
     wall[stage] = time.time() - t0
+  runs = read_all(out, size)  # what DIR holds now, the other invocations' runs included
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
   text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine)
   with open(os.path.join(out, "capacity.md"), "w") as f:

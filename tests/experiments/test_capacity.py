@@ -216,6 +216,24 @@ def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, fak
   assert text.count("Not run by this invocation: what DIR holds.") == 1  # the gate, reported from DIR
 
 
+def test_the_report_counts_what_another_invocation_sharing_dir_finished_meanwhile(tmp_path, faked, monkeypatch):
+  """`--stages=gate` started before the preflight (another invocation, same DIR) finished: the gate's verdict and
+  the report read DIR when written, not when the command started."""
+  trained, _, _ = faked
+  out, run_sweep = str(tmp_path), capacity._run_sweep
+
+  def gate_beside_the_preflight(out, spec, sweep, points, parallel, size):
+    if sweep == "gate":  # the other invocation finishes the preflight while the gate trains
+      run_sweep(out, spec, "preflight", capacity._plan(spec, "preflight", size), parallel, size)
+    return run_sweep(out, spec, sweep, points, parallel, size)
+
+  monkeypatch.setattr(capacity, "_run_sweep", gate_beside_the_preflight)
+  text = capacity.run(out, SPEC, True, 1, stages=["gate"])
+  assert trained == GATE_RUNS
+  assert "| learnable | yes |" in text and "## The gate: **passed**" in text
+  assert text.count("Not run by this invocation: what DIR holds.") == 1  # the preflight
+
+
 def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
   """At the default size's rules (here with the quick size's shapes) stage arms is refused, after the report, while
   DIR holds no gate, and while the gate it holds fails (here on its plateau: exposure-bound)."""
