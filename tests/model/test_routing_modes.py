@@ -19,9 +19,7 @@ def _cfg(**overrides):
   return moc_jax.load_config(TINY, {"model.compute_dtype": "float32", **overrides})
 
 
-def _seed():
-  """Fixed: a failure reproduces, and a pass does not depend on the draw."""
-  return 20261128
+SEED = 20261128  # fixed: a failure reproduces, and a pass does not depend on the draw
 
 
 def _numpy_routing_input(h, valid, routing, chunk):
@@ -39,7 +37,7 @@ def _numpy_routing_input(h, valid, routing, chunk):
 
 @pytest.mark.parametrize("routing, chunk", [("prefix", 1), ("chunk", 4), ("chunk", 5), ("chunk", 1)])
 def test_routing_input_is_the_masked_mean_of_what_the_decision_may_see(routing, chunk):
-  seed = _seed()
+  seed = SEED
   rng = np.random.default_rng(seed)
   h = rng.normal(size=(3, 13, 6)).astype(np.float32)
   valid = np.ones((3, 13), bool)
@@ -56,13 +54,13 @@ def test_routing_input_is_the_masked_mean_of_what_the_decision_may_see(routing, 
 
 @pytest.mark.parametrize("routing", ["token", "prefix", "chunk"])
 def test_causal_modes_leave_the_past_exactly_unchanged(routing):
-  result = causality.probe(_cfg(**{"memory.routing": routing, "memory.routing_chunk": 8}), length=32, seed=_seed())
+  result = causality.probe(_cfg(**{"memory.routing": routing, "memory.routing_chunk": 8}), length=32, seed=SEED)
   assert result["causal"] and result["max_change_all"] == 0.0, result
   assert result["causal_by_design"]
 
 
 def test_sequence_routing_leaks_the_future_and_the_probe_sees_it():
-  result = causality.probe(_cfg(**{"memory.routing": "sequence"}), length=32, seed=_seed())
+  result = causality.probe(_cfg(**{"memory.routing": "sequence"}), length=32, seed=SEED)
   assert not result["causal_by_design"]
   assert result["max_change_all"] > 0.0, result  # documented leak (a causal model gives exactly 0.0)
 
@@ -81,7 +79,7 @@ def _models(routing, seed, **extra):
 def test_prefix_position_t_reads_what_sequence_routing_reads_on_the_first_t_tokens():
   """With one memory layer, the last: at t, prefix routing = the sequence model run on tokens[:t+1].
   (With an earlier memory layer the positions before t would differ too: they routed on less.)"""
-  seed = _seed()
+  seed = SEED
   seq, prefix = _models("prefix", seed, **{"memory.layer_indices": (3,)})
   tokens = np.random.default_rng(seed).integers(1, 260, (2, 24))
   full = np.asarray(prefix(jnp.asarray(tokens))[0])
@@ -93,7 +91,7 @@ def test_prefix_position_t_reads_what_sequence_routing_reads_on_the_first_t_toke
 def test_chunk_mode_routes_chunk_zero_on_the_router_bias_and_later_chunks_on_their_past():
   """Chunk 0 sees nothing: the router bias alone picks it. With one memory layer, chunk c picks what the
   sequence model picks on the c x 8 tokens before it (an identity, so it holds for every seed)."""
-  seed = _seed()
+  seed = SEED
   seq, chunked = _models("chunk", seed, **{"memory.routing_chunk": 8, "memory.layer_indices": (3,)})
   tokens = np.random.default_rng(seed).integers(1, 260, (2, 24))
   chapters = np.asarray(chunked(jnp.asarray(tokens))[1]["chapters"])  # [n_mem, B, chunks, s+k]
@@ -107,7 +105,7 @@ def test_chunk_mode_routes_chunk_zero_on_the_router_bias_and_later_chunks_on_the
 
 
 def test_per_position_modes_train_the_router_through_the_chapter_weights():
-  seed = _seed()
+  seed = SEED
   for routing in ("prefix", "chunk"):  # token: its router gradient is compared with MoC-PT's (test_parity.py)
     model = moc_jax.build_model(_cfg(**{"memory.routing": routing, "memory.routing_chunk": 4}), seed=seed)
     causality._redraw_zeros(model, seed + 1)
@@ -147,7 +145,7 @@ def test_training_log_states_whether_the_run_is_causal():
 @pytest.mark.parametrize("routing", [pytest.param(r, marks=pytest.mark.slow) for r in ("token", "prefix")])
 def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback(routing):
   """Whole-model loss and gradients with attention_impl=pallas (TPU kernels, interpret mode) vs xla."""
-  seed = _seed()
+  seed = SEED
   tokens = jnp.asarray(np.random.default_rng(seed).integers(1, 260, (2, 16)))
   results = []
   for impl in ("xla", "pallas"):
@@ -171,7 +169,7 @@ def test_the_model_reads_the_same_through_the_pallas_kernel_and_the_xla_fallback
 def test_small_calls_project_only_the_chapters_they_name(routing):
   """Fewer (decision, slot) pairs than chapters -> only the distinct chapters named are projected;
   the result equals projecting the whole bank."""
-  seed = _seed()
+  seed = SEED
   cfg = _cfg(**{"memory.routing": routing, "memory.routing_chunk": 4, "memory.attention_impl": "reference"})
   model = moc_jax.build_model(cfg, seed=seed)
   causality._redraw_zeros(model, seed + 1)
