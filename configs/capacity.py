@@ -44,7 +44,7 @@ costliest memory arm, every bank projection its routing computes included), and 
 `memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's
 `--config=configs/capacity.py:moc,bound`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
 kept (the steps scale with N: `moc,bound,entities=1024` is half the `bound` study's steps at 0.89 bits of facts per
-narrow parameter).
+narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`).
 """
 from moc_jax.config import schema, sibling
 
@@ -191,31 +191,45 @@ def _models() -> dict:
   return out
 
 
+def _count(mods, key, default, least) -> int:
+  """The `key=N` modifier's N (`default` without it), one line naming the modifier and the least N where it is bad."""
+  given = [m for m in mods if m.startswith(f"{key}=")]
+  if not given:
+    return default
+  n = given[-1].removeprefix(f"{key}=")
+  if len(given) > 1 or not n.isdigit() or int(n) < least:
+    raise ValueError(f"config modifiers {sorted(given)}: give one `{key}=N`, N a whole number of at least {least}"
+                     f"{' at these readings per entity' if key == 'entities' else ''} (e.g. "
+                     "`configs/capacity.py:moc,bound,entities=1024` or `configs/capacity.py:moc,readings=800,entities=512`)")
+  return int(n)
+
+
+def _readings(mods) -> int:
+  """The readings of each entity: DOCS_PER_ENTITY, BOUND_DOCS_PER_ENTITY with `bound`, or N with `readings=N` (a
+  gate's plateau check needs a size whose half is a size already run: `readings=800` halves to `bound`'s 400)."""
+  if "bound" in mods and any(m.startswith("readings=") for m in mods):
+    raise ValueError("config modifiers: give `bound` (400 readings per entity) or `readings=N`, not both")
+  return _count(mods, "readings", BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY, 1)
+
+
 def _entities(mods, docs_per_entity) -> int:
   """The `entities=N` modifier's N (ENTITIES without it): the same readings per entity over N entities, the steps
   scaled with them, for sizes between the preflight's and the study's."""
-  given = [m for m in mods if m.startswith("entities=")]
-  if not given:
-    return ENTITIES
-  n = given[-1].removeprefix("entities=")
   least = -(-BATCH * 32 // docs_per_entity)  # 32 steps: one of warm-up (steps // 32), checkpoints 2 apart
-  if len(given) > 1 or not n.isdigit() or int(n) < least:
-    raise ValueError(f"config modifiers {sorted(given)}: give one `entities=N`, N a whole number of at least {least} "
-                     "at these readings per entity (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
-  return int(n)
+  return _count(mods, "entities", ENTITIES, least)
 
 
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  unknown = {m for m in mods if m != "bound" and not m.startswith("entities=")}
+  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings="))}
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes "
-                     "`bound` and `entities=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
-  docs_per_entity = BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY
+                     "`bound`, `readings=N` and `entities=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
+  docs_per_entity = _readings(mods)
   entities = _entities(mods, docs_per_entity)
   base = _study(schema.base_config(), docs_per_entity, entities)
   base.update_from_flattened_dict(models[name](base))
-  base.name = (f"capacity-{name.replace('=', '-')}" + ("-bound" if "bound" in mods else "")
-               + (f"-e{entities}" if entities != ENTITIES else ""))
+  readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
+  base.name = f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
   return base

@@ -102,7 +102,7 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.data.facts.num_entities == default.data.facts.num_entities
   assert bound.train.steps == 8 * default.train.steps == 25_600 and bound.train.warmup_steps == 800
   assert (bound.train.eval_every, bound.train.checkpoint_every) == (6400, 1600) and bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound` and `entities=N`"):
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N` and `entities=N`"):
     load_config("configs/capacity.py:moc,huge")
 
 
@@ -118,6 +118,28 @@ def test_entities_keeps_the_readings_per_entity_and_scales_the_steps():
   for bad in ("entities=20", "entities=many", "entities=64,entities=128"):
     with pytest.raises(ValueError, match=r"give one `entities=N`, N a whole number of at least 21"):
       load_config(f"configs/capacity.py:dense,{bad}")
+
+
+def test_readings_sets_the_readings_per_entity_and_scales_the_steps():
+  from moc_jax import load_config
+  twice = load_config("configs/capacity.py:dense,readings=800,entities=512")
+  assert (twice.data.facts.num_entities, twice.data.facts.num_docs) == (512, 512 * 800)
+  assert (twice.train.steps, twice.train.warmup_steps, twice.train.eval_every, twice.train.checkpoint_every) == (
+      12_800, 400, 3200, 800)
+  assert twice.name == "capacity-dense-r800-e512"
+  # the gate's half of 800 readings is the size of `bound`'s whole run
+  assert twice.train.steps // 2 == load_config("configs/capacity.py:dense,bound,entities=512").train.steps
+  assert load_config("configs/capacity.py:dense,readings=400").to_dict() == load_config(
+      "configs/capacity.py:dense,bound").to_dict()
+  # 1,024 rows of 10 readings: 32 steps
+  assert load_config("configs/capacity.py:dense,readings=10,entities=103").train.steps == 32
+  with pytest.raises(ValueError, match=r"give one `entities=N`, N a whole number of at least 103"):
+    load_config("configs/capacity.py:dense,readings=10,entities=102")
+  for bad in ("readings=0", "readings=lots", "readings=100,readings=200"):
+    with pytest.raises(ValueError, match=r"give one `readings=N`, N a whole number of at least 1 "):
+      load_config(f"configs/capacity.py:dense,{bad}")
+  with pytest.raises(ValueError, match=r"give `bound` \(400 readings per entity\) or `readings=N`, not both"):
+    load_config("configs/capacity.py:dense,bound,readings=800")
 
 
 def test_the_sweeps():
