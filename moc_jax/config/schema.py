@@ -261,6 +261,12 @@ def data_config() -> config_dict.ConfigDict:
   # documents, then entity 1's, ...: with data.shuffle=False and one document a row, an update of that many rows
   # teaches one new entity, its facts in paraphrases: the retention study's stream)
   f.order = "shuffled"
+  # A curriculum (Zucchet et al. 2025, "How do language models learn facts?": recall waits on a plateau that
+  # lengthens with the number of individuals, and shortens on fewer): the first warmup_docs training documents each
+  # name one of the first warmup_entities entities, the rest are drawn as before. With data.shuffle=False they come
+  # first. 0 and 0: none
+  f.warmup_entities = 0
+  f.warmup_docs = 0
   return c
 
 

@@ -84,6 +84,9 @@ def validate_data(d) -> None:
       raise DataError(f"config.data.cluster.{field}: must be an integer >= {minimum}, got {value!r}")
   if d.cluster.k == 1:
     raise DataError("config.data.cluster.k: 1 gives every document the same path; use k >= 2, or 0 for no paths")
+  if d.name == "moc_facts" and d.facts.warmup_docs and d.shuffle:
+    raise DataError(f"config.data.shuffle: True would spread data.facts.warmup_docs={d.facts.warmup_docs} curriculum "
+                    "documents over the whole run; set data.shuffle=False so that they come first")
   generic = d.cluster.generic
   if isinstance(generic, bool) or not isinstance(generic, (int, float)) or not 0 <= generic < 1:
     raise DataError(f"config.data.cluster.generic: must be a probability in [0, 1), got {generic!r} (Pouransari et "

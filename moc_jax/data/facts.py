@@ -9,6 +9,8 @@ corpus's `style`:
   biography   every attribute of one entity in a compact line ("Talo Venrik: job baker; city Aldergate; ..."),
               in a random order, short enough for one row: with many documents per entity, a store sized
               by its bits of facts (`fact_bits`) against what a backbone can hold.
+A curriculum (`warmup_entities`, `warmup_docs`): the first training documents name only the first few entities,
+written in order so that, read in order, a model learns to look facts up on few entities before it meets them all.
 Splits:
   train       documents rendered with the attribute's training templates;
   validation  held-out documents about the same facts, rendered with the training templates (new
@@ -131,6 +133,8 @@ class MocFactsConfig(tfds.core.BuilderConfig):
   num_candidates: int
   style: str
   order: str
+  warmup_entities: int
+  warmup_docs: int
 
   @classmethod
   def for_sizes(cls, facts) -> "MocFactsConfig":
@@ -141,6 +145,8 @@ class MocFactsConfig(tfds.core.BuilderConfig):
       name += f"_{fields['style']}"
     if fields["order"] != "shuffled":  # and the shuffled one too
       name += f"_{fields['order']}"
+    if fields["warmup_docs"]:
+      name += "_w{warmup_entities}x{warmup_docs}".format(**fields)
     return cls(name=name, description="moc_facts with " + name, **fields)
 
 
@@ -171,6 +177,13 @@ def _check(cfg: MocFactsConfig):
       ("probes_per_fact", 1 <= cfg.probes_per_fact <= (NUM_TRAIN_TEMPLATES if cfg.style == "mixed" else 1),
        "use 1..4 (biography: 1, its one prompt per attribute)"),
       ("num_candidates", 2 <= cfg.num_candidates <= smallest, f"use 2..{smallest}"),
+      ("warmup_entities", 0 <= cfg.warmup_entities <= cfg.num_entities,
+       f"use 0..num_entities={cfg.num_entities} (the entities the first warmup_docs documents name)"),
+      ("warmup_docs", 0 <= cfg.warmup_docs <= cfg.num_docs, f"use 0..num_docs={cfg.num_docs}"),
+      ("warmup_docs", (cfg.warmup_docs == 0) == (cfg.warmup_entities == 0),
+       "give both warmup_docs and warmup_entities, or neither (0 and 0: no curriculum)"),
+      ("warmup_docs", cfg.warmup_docs == 0 or cfg.order == "shuffled",
+       "use 0 with order='stream' (a stream is its own order)"),
   ]
   for field, ok, fix in checks:
     if not ok:
@@ -218,13 +231,16 @@ def _rngs(cfg):
 
 
 def _picks(cfg, split, n, rng=None):
-  """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1); the training
-  split of a `stream` corpus holds n / num_entities documents of entity 0, then as many of entity 1, ..."""
+  """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1), the first
+  warmup_docs of the training split's over the first warmup_entities ranks only (the curriculum); the training split
+  of a `stream` corpus holds n / num_entities documents of entity 0, then as many of entity 1, ..."""
   if cfg.order == "stream" and split == "train":
     return [e for e in range(cfg.num_entities) for _ in range(n // cfg.num_entities)]
   weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))
   rng = rng or _rngs(cfg)[{"train": 2, "validation": 3}[split]]
-  return rng.choices(range(cfg.num_entities), cum_weights=weights, k=n)
+  warmup = cfg.warmup_docs if split == "train" else 0
+  first = rng.choices(range(cfg.warmup_entities), cum_weights=weights[:cfg.warmup_entities], k=warmup) if warmup else []
+  return first + rng.choices(range(cfg.num_entities), cum_weights=weights, k=n - warmup)
 
 
 def generate(cfg: MocFactsConfig) -> dict:
@@ -282,12 +298,14 @@ class MocFacts(tfds.core.GeneratorBasedBuilder):
 
   def _info(self):
     text = tfds.features.Text()
-    # TFDS writes the records in an order hashed from their keys; a stream keeps generation order (the pipeline
-    # reads it in order with data.shuffle=False), the other corpora keep the order they were always written in
+    # TFDS writes the records in an order hashed from their keys; a stream and a curriculum keep generation order
+    # (the pipeline reads it in order with data.shuffle=False), the other corpora the order they were always
+    # written in
+    in_order = self.builder_config.order == "stream" or self.builder_config.warmup_docs > 0
     return tfds.core.DatasetInfo(
         builder=self,
         description=__doc__,
-        disable_shuffling=self.builder_config.order == "stream",
+        disable_shuffling=in_order,
         features=tfds.features.FeaturesDict({
             "text": text, "entity": text, "entity_rank": np.int32, "doc_count": np.int32,
             "attribute": text, "prompt": text, "answer": text, "candidates": tfds.features.Sequence(text),

@@ -157,3 +157,41 @@ def test_a_stream_teaches_one_entity_per_block_of_documents():
   assert corpus["validation"] == [{**d, "doc_count": 5} for d in shuffled["validation"]]
   with pytest.raises(DataError, match=r"config.data.facts.num_docs=301 is invalid: use a multiple of num_entities"):
     generate(MocFactsConfig.for_sizes(tiny_facts(order="stream", num_docs=301)))
+
+
+def test_a_warmup_names_only_its_entities_first_and_leaves_the_rest_as_drawn():
+  """warmup_docs=100 of warmup_entities=6: the first 100 training documents each name one of the first 6 entities
+  (every one of them, uniformly: zipf_a = 0), the other 900 are the draw over all 60 that a corpus of 900 documents
+  without the warm-up would make after those 100 draws of the same stream; bits count the entities named."""
+  import random
+  facts = biography(num_docs=1000, warmup_entities=6, warmup_docs=100)
+  cfg = MocFactsConfig.for_sizes(facts)
+  assert cfg.name == "e60_d1000_v40_z0.0_s0_p1_c4_biography_w6x100"
+  ranks = [d["entity_rank"] for d in generate(cfg)["train"]]
+  assert set(ranks[:100]) == set(range(1, 7)) and max(collections.Counter(ranks[:100]).values()) < 30
+  stream = random.Random("moc_facts/0/2")
+  first = stream.choices(range(6), k=100)
+  assert [r - 1 for r in ranks] == first + stream.choices(range(60), k=900)
+  assert fact_bits(facts)["entities"] == 60
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"warmup_entities": 61, "warmup_docs": 10}, r"warmup_entities=61 is invalid: use 0..num_entities=60"),
+    ({"warmup_entities": 6, "warmup_docs": 601}, r"warmup_docs=601 is invalid: use 0..num_docs=600"),
+    ({"warmup_entities": 6}, r"warmup_docs=0 is invalid: give both warmup_docs and warmup_entities, or neither"),
+    ({"warmup_docs": 10}, r"warmup_docs=10 is invalid: give both"),
+    ({"warmup_entities": 6, "warmup_docs": 10, "order": "stream"}, r"warmup_docs=10 is invalid: use 0 with order"),
+])
+def test_a_bad_warmup_is_one_error(overrides, problem):
+  with pytest.raises(DataError, match=rf"config.data.facts.{problem}"):
+    generate(MocFactsConfig.for_sizes(tiny_facts(**overrides)))
+
+
+def test_a_warmup_needs_the_documents_in_order():
+  from moc_jax.config import validate_data
+  data = data_config()
+  data.facts.update(warmup_entities=6, warmup_docs=10)
+  with pytest.raises(DataError, match=r"config.data.shuffle: True would spread .*set data.shuffle=False"):
+    validate_data(data)
+  data.shuffle = False
+  validate_data(data)

@@ -298,6 +298,20 @@ def test_a_stream_read_in_order_gives_each_update_one_entity(tmp_path):
     assert names[4 * k: 4 * k + 4] == [entity.encode()] * 4
 
 
+def test_a_warmup_read_in_order_comes_first(tmp_path):
+  """facts.warmup_docs=24 of warmup_entities=3, data.shuffle=False, whole biographies one a row: the first 6 batches
+  of 4 rows name only the first 3 entities (their names from the corpus, by rank), in the corpus's order."""
+  c = _config(str(tmp_path), layout="pack_whole", shuffle=False, seq_len=256)
+  c.facts.update(style="biography", zipf_a=0.0, num_docs=200, warmup_entities=3, warmup_docs=24)
+  docs = list(facts_builder(c.facts, c.data_dir).as_data_source("train"))
+  warm = {d["entity"].decode() for d in docs if d["entity_rank"] <= 3}
+  it = make_train_iterator(c)
+  texts = [BYTE.decode([t for t in row if t < 256]) for _ in range(7) for row in next(it)["input_ids"]]
+  assert [t.split(":")[0] for t in texts[:24]] == [d["entity"].decode() for d in docs[:24]]
+  assert {t.split(":")[0] for t in texts[:24]} == warm and len(warm) == 3
+  assert not {t.split(":")[0] for t in texts[24:]} <= warm
+
+
 def test_a_row_cut_before_all_its_labels_warns_once(caplog):
   """pad_truncate keeps the first seq_len tokens: a chat row whose answer lies past them trains on nothing, which the
   log says (once a process), and a row that keeps some of its labels says nothing."""
