@@ -106,13 +106,20 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
     load_config("configs/capacity.py:moc,huge")
 
 
-def test_entities_keeps_the_readings_per_entity_and_scales_the_steps():
+@pytest.mark.parametrize("arg, entities, readings, name", [
+    ("dense,bound,entities=1024", 1024, 400, "capacity-dense-bound-e1024"),
+    ("dense,readings=800,entities=512", 512, 800, "capacity-dense-r800-e512")])
+def test_entities_and_readings_scale_the_steps(arg, entities, readings, name):
+  """409,600 documents either way: 12,800 steps of 32, a 32nd of them warm-up, 4 evaluations, 16 checkpoints."""
   from moc_jax import load_config
-  half = load_config("configs/capacity.py:dense,bound,entities=1024")
-  assert (half.data.facts.num_entities, half.data.facts.num_docs) == (1024, 1024 * 400)
-  assert (half.train.steps, half.train.warmup_steps, half.train.eval_every, half.train.checkpoint_every) == (
-      12_800, 400, 3200, 800)
-  assert half.name == "capacity-dense-bound-e1024"
+  c = load_config(f"configs/capacity.py:{arg}")
+  assert (c.data.facts.num_entities, c.data.facts.num_docs) == (entities, entities * readings) == (entities, 409_600)
+  assert (c.train.steps, c.train.warmup_steps, c.train.eval_every, c.train.checkpoint_every) == (12_800, 400, 3200, 800)
+  assert c.name == name
+
+
+def test_a_bad_entities_is_one_error_naming_the_least():
+  from moc_jax import load_config
   # 21 entities x 50 readings / 32 rows = 32 steps (one of warm-up); 20 would give 31
   assert load_config("configs/capacity.py:dense,entities=21").train.steps == 32
   for bad in ("entities=20", "entities=many", "entities=64,entities=128"):
@@ -120,15 +127,11 @@ def test_entities_keeps_the_readings_per_entity_and_scales_the_steps():
       load_config(f"configs/capacity.py:dense,{bad}")
 
 
-def test_readings_sets_the_readings_per_entity_and_scales_the_steps():
+def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
   from moc_jax import load_config
-  twice = load_config("configs/capacity.py:dense,readings=800,entities=512")
-  assert (twice.data.facts.num_entities, twice.data.facts.num_docs) == (512, 512 * 800)
-  assert (twice.train.steps, twice.train.warmup_steps, twice.train.eval_every, twice.train.checkpoint_every) == (
-      12_800, 400, 3200, 800)
-  assert twice.name == "capacity-dense-r800-e512"
-  # the gate's half of 800 readings is the size of `bound`'s whole run
-  assert twice.train.steps // 2 == load_config("configs/capacity.py:dense,bound,entities=512").train.steps
+  # the gate's half of 800 readings is as long as `bound`'s whole run
+  assert load_config("configs/capacity.py:dense,readings=800,entities=512").train.steps // 2 == load_config(
+      "configs/capacity.py:dense,bound,entities=512").train.steps
   assert load_config("configs/capacity.py:dense,readings=400").to_dict() == load_config(
       "configs/capacity.py:dense,bound").to_dict()
   # 1,024 rows of 10 readings: 32 steps
