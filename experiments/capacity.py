@@ -385,7 +385,8 @@ def _goal(runs) -> dict | None:
 def run(out, spec, quick, parallel, stages=STAGES) -> str:
   """Runs `stages` in order and writes DIR/capacity.md over every stage DIR holds; returns its text. A stage whose
   prerequisite is missing (arms and confirm: a gate that passed, unless quick; confirm: every arm finished) stops
-  the command with one line, after the report."""
+  the command with one line, after the report; so does a run that did not finish (the gate's plateau check, say,
+  can fail before its wide run ends)."""
   from moc_jax.errors import UsageError
   from moc_jax.train.peaks import cpu_model
   unknown = sorted(set(stages) - set(STAGES))
@@ -394,7 +395,7 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
   size_name = "quick" if quick else "default"
   size, out = SIZES[size_name], os.path.abspath(out)
   os.makedirs(out, exist_ok=True)
-  wall, refusal = {}, None
+  wall, refusal, stopped = {}, None, None
   for stage in STAGES:
     if stage not in stages:
       continue
@@ -414,8 +415,12 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
         break
       print(f"capacity: stage {stage}, sweep {sweep} ({len(todo)} runs):", *capacity_lines(todo, size["shapes"]),
             sep="\n  ", flush=True)
-      runs[sweep] = _run_sweep(out, spec, sweep, todo, parallel, size)
-    if refusal:
+      try:
+        runs[sweep] = _run_sweep(out, spec, sweep, todo, parallel, size)
+      except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
+        stopped = e
+        break
+    if refusal or stopped:
       break
     wall[stage] = time.time() - t0
   runs = read_all(out, size)  # what DIR holds now, the other invocations' runs included
@@ -423,8 +428,11 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
   text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine)
   with open(os.path.join(out, "capacity.md"), "w") as f:
     f.write(text)
-  if refusal:
+  if refusal or stopped:
     print(text)
+  if stopped:
+    raise stopped
+  if refusal:
     raise UsageError(refusal)
   return text
 

@@ -159,9 +159,10 @@ def test_the_sweeps():
 
 # ---- the stage logic, with training faked -------------------------------------------------------------------
 
-def _fake_training(trained, recall):
+def _fake_training(trained, recall, fails=()):
   """subprocess.Popen of moc_jax.main for the launcher: writes the run's config.json (the command's config, parsed as
-  moc_jax.main parses it) and a validation row at step 0 and at the end (recall(name)), and records the run's name."""
+  moc_jax.main parses it) and a validation row at step 0 and at the end (recall(name)), and records the run's name;
+  a run named in `fails` stops before its end (exit 1)."""
   from absl import flags
   from ml_collections import config_flags
 
@@ -176,12 +177,15 @@ def _fake_training(trained, recall):
       with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(values.config.to_json())
       steps = values.config.train.steps
+      self.rc = int(trained[-1] in fails)
+      if self.rc:
+        return
       with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": s, "split": "validation", "ce": 1.0, "probe_acc": a, "probe_exact": 0.0,
                                  "num_probes": 4096}) + "\n" for s, a in ((0, 0.25), (steps, recall(trained[-1]))))
 
     def wait(self):
-      return 0
+      return self.rc
   return Run
 
 
@@ -257,6 +261,19 @@ def test_the_report_counts_what_another_invocation_sharing_dir_finished_meanwhil
   assert trained == GATE_RUNS
   assert "| learnable | yes |" in text and "## The gate: **passed**" in text
   assert text.count("Not run by this invocation: what DIR holds.") == 1  # the preflight
+
+
+def test_a_run_that_stops_short_stops_the_command_after_the_report(tmp_path, faked, monkeypatch):
+  """The wide run fails: the command stops as the launcher says, and capacity.md already gives the plateau check
+  its two narrow runs decide (here failing: +0.3 from half the steps)."""
+  trained, _, recalls = faked
+  recalls["dense-steps8"] = 0.2
+  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails={WIDE}))
+  with pytest.raises(SystemExit, match=r"gate finished 2 of 3 runs .*re-run the same command"):
+    capacity.run(str(tmp_path), SPEC, True, 1, stages=["gate"])
+  text = (tmp_path / "capacity.md").read_text()
+  assert "| plateaued | **no** | narrow recall 0.200 at half the steps, 0.500 at all of them: +0.300" in text
+  assert "| room | **no** | no finished narrow and wide runs |" in text and "## The gate: **not passed**" in text
 
 
 def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
