@@ -200,13 +200,13 @@ def _count(mods, key, default, least) -> int:
   if len(given) > 1 or not n.isdigit() or int(n) < least:
     raise ValueError(f"config modifiers {sorted(given)}: give one `{key}=N`, N a whole number of at least {least}"
                      f"{' at these readings per entity' if key == 'entities' else ''} (e.g. "
-                     "`configs/capacity.py:moc,bound,entities=1024` or `configs/capacity.py:moc,readings=800,entities=512`)")
+                     "`configs/capacity.py:moc,bound,entities=1024` or `...:moc,readings=800,entities=512`)")
   return int(n)
 
 
 def _readings(mods) -> int:
-  """The readings of each entity: DOCS_PER_ENTITY, BOUND_DOCS_PER_ENTITY with `bound`, or N with `readings=N` (a
-  gate's plateau check needs a size whose half is a size already run: `readings=800` halves to `bound`'s 400)."""
+  """The readings of each entity: DOCS_PER_ENTITY, BOUND_DOCS_PER_ENTITY with `bound`, or N with `readings=N` (the
+  gate at `readings=800` asks whether 800 readings hold more than its half-steps run's 400)."""
   if "bound" in mods and any(m.startswith("readings=") for m in mods):
     raise ValueError("config modifiers: give `bound` (400 readings per entity) or `readings=N`, not both")
   return _count(mods, "readings", BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY, 1)
