@@ -102,6 +102,12 @@ def binomial_se(recall, probes) -> float:
   return math.sqrt(recall * (1 - recall) / probes) if probes else math.nan
 
 
+def _unfinished(runs: dict) -> str:
+  """A check's numbers when some of its runs are missing: which (the others may be running)."""
+  missing = [name for name, run in runs.items() if run is None]
+  return f"no finished {' and '.join(missing)} run{'s' if len(missing) > 1 else ''}"
+
+
 def gate_verdict(preflight, narrow, half, wide) -> dict:
   """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
   met, numbers)]}; a check whose runs are missing is not met."""
@@ -112,14 +118,14 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
     checks.append(("learnable", preflight["recall"] >= PREFLIGHT_RECALL,
                    f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})"))
   if narrow is None or half is None:
-    checks.append(("plateaued", False, "no finished narrow runs"))
+    checks.append(("plateaued", False, _unfinished({"narrow": narrow, "half-steps": half})))
   else:
     rise = narrow["recall"] - half["recall"]
     checks.append(("plateaued", rise <= PLATEAU_RISE and narrow["recall"] >= CHANCE + PLATEAU_FLOOR,
                    f"narrow recall {half['recall']:.3f} at half the steps, {narrow['recall']:.3f} at all of them: "
                    f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ {CHANCE + PLATEAU_FLOOR:g})"))
   if narrow is None or wide is None:
-    checks.append(("room", False, "no finished narrow and wide runs"))
+    checks.append(("room", False, _unfinished({"narrow": narrow, "wide": wide})))
   else:
     gap = wide["recall"] - narrow["recall"]
     z = gap / math.hypot(binomial_se(wide["recall"], wide["probes"]), binomial_se(narrow["recall"], narrow["probes"]))

@@ -52,7 +52,9 @@ def test_the_gate_fails_each_way(preflight, narrow, half, wide, failed):
 def test_the_gate_without_its_runs_does_not_pass():
   verdict = capacity.gate_verdict(None, score(0.5), None, None)
   assert checks(verdict) == {"learnable": False, "plateaued": False, "room": False}
-  assert verdict["checks"][0][2] == "no finished preflight"
+  assert [numbers for _, _, numbers in verdict["checks"]] == [
+      "no finished preflight", "no finished half-steps run", "no finished wide run"]
+  assert capacity.gate_verdict(None, None, None, None)["checks"][2][2] == "no finished narrow and wide runs"
 
 
 def test_welch_t_against_a_hand_computation():
@@ -273,7 +275,7 @@ def test_a_run_that_stops_short_stops_the_command_after_the_report(tmp_path, fak
     capacity.run(str(tmp_path), SPEC, True, 1, stages=["gate"])
   text = (tmp_path / "capacity.md").read_text()
   assert "| plateaued | **no** | narrow recall 0.200 at half the steps, 0.500 at all of them: +0.300" in text
-  assert "| room | **no** | no finished narrow and wide runs |" in text and "## The gate: **not passed**" in text
+  assert "| room | **no** | no finished wide run |" in text and "## The gate: **not passed**" in text
 
 
 def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
