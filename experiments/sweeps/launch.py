@@ -48,6 +48,17 @@ def commands(backend: str, spec: str, point: Point, workdir: str, backend_args=(
   raise ValueError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
 
 
+def killed_wall_s(entry: dict, workdir: str) -> float:
+  """The wall time of a run whose launch was killed (SIGKILL, a lost machine) while the manifest said it was
+  running: from its start to its log's last write, so that a study's stated compute counts every attempt."""
+  if entry.get("status") != "running" or "started" not in entry:
+    return 0.0
+  try:
+    return round(max(0.0, os.path.getmtime(os.path.join(workdir, LOG)) - entry["started"]), 1)
+  except OSError:  # no log: the run never started
+    return 0.0
+
+
 class Launcher:
   """Runs the points that are not done, `parallel` at a time, keeping manifest.jsonl current.
 
@@ -75,7 +86,8 @@ class Launcher:
       self.entries[p.name] = {
           "name": p.name, "overrides": p.overrides, "workdir": workdir,
           "command": " && ".join(shlex.join(c) for c in self.cmds[p.name]), "status": status,
-          "returncode": old.get("returncode"), "wall_s": old.get("wall_s", 0.0), "attempts": old.get("attempts", 0),
+          "returncode": old.get("returncode"), "wall_s": old.get("wall_s", 0.0) + killed_wall_s(old, workdir),
+          "attempts": old.get("attempts", 0),
           "steps": p.config.train.steps, "config": spec, "sweep": sweep, "backend": backend}
     # Runs of an earlier version of the sweep stay listed: their workdirs are still there.
     self.others = [e for name, e in previous.items() if name not in self.entries]
@@ -149,7 +161,7 @@ class Launcher:
     with self.lock:
       if self.stopping:
         return
-      e["status"] = "running"
+      e["status"], e["started"] = "running", round(time.time(), 1)
       self._save()
     os.makedirs(e["workdir"], exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (*self.python_path, os.environ.get("PYTHONPATH")) if p)}
@@ -180,6 +192,7 @@ class Launcher:
       # Exit 0 unfinished: the run was stopped from outside (a pre-emption) and saved a checkpoint to resume.
       e.update(returncode=rc, wall_s=round(e["wall_s"] + time.time() - t0, 1), attempts=e["attempts"] + 1,
                status="done" if done else "pending" if self.stopping or rc == 0 else "failed")
+      e.pop("started")
       self._save()
       print(f"sweep: {name} {e['status']} (exit {rc}) after {time.time() - t0:.0f} s; log {e['workdir']}/{LOG}",
             file=self.out, flush=True)

@@ -311,6 +311,25 @@ def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, mo
     Launcher(sweep_dir, spec, "bank", plan(spec, "bank"))
 
 
+def test_a_killed_launch_keeps_its_runs_wall_time(tmp_path, fake_backend):
+  """A launch killed outright (no Ctrl-C: SIGKILL, a lost machine) leaves its run `running` in the manifest; the
+  next launch adds that attempt's time, from its start to its log's last write, to the run's wall time."""
+  spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
+  points = plan(spec, "topk", only=["k1"])
+  os.makedirs(sweep_dir)
+  killed = Launcher(sweep_dir, spec, "topk", points)
+  started = time.time() - 1000
+  killed.entries["k1"].update(status="running", started=started, wall_s=5.0, attempts=1)
+  killed._save()
+  log = Path(sweep_dir) / "k1" / LOG
+  log.parent.mkdir(parents=True)
+  log.write_text("step 100\n")
+  os.utime(log, (started + 100, started + 100))
+  assert Launcher(sweep_dir, spec, "topk", points).run() == {"done": 1}
+  entry = read_manifest(sweep_dir)[0]
+  assert 105.0 <= entry["wall_s"] < 105.0 + 60 and entry["attempts"] == 2 and "started" not in entry
+
+
 def test_parallel_points_start_with_the_most_training_left(tmp_path):
   """One at a time the plan's order; several at once the most FLOPs left first: k4 reads the most but is a step
   from its end, k2 reads more than k1, and k8 is done."""
