@@ -44,7 +44,8 @@ costliest memory arm, every bank projection its routing computes included), and 
 `memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's
 `--config=configs/capacity.py:moc,bound`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
 kept (the steps scale with N: `moc,bound,entities=1024` is half the `bound` study's steps at 0.89 bits of facts per
-narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`).
+narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
+`NAME,warm=N`: a curriculum, the first WARMUP_STEPS updates about N entities only.
 """
 from moc_jax.config import schema, sibling
 
@@ -60,6 +61,11 @@ LR = 1e-2                   # every parameter group; the arms choose theirs on t
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
 CHECKPOINTS = 16            # along a run: an interrupted run (a run of the `bound` size takes hours) loses at most 1/16
 PREFLIGHT_ENTITIES = 256
+# The `warm=N` modifier's curriculum: the first WARMUP_STEPS updates (a quarter of a shorter run's) read documents about
+# N entities only, the rest are drawn over all of them. Recall waits on a plateau whose length varies from seed to seed
+# and grows with the entities; few entities first shorten it (Zucchet et al. 2025, "How do language models learn
+# facts?"): docs/results/2026-11-28-capacity-curriculum.md.
+WARMUP_STEPS = 800
 LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
 LR_STEPS = 0.25             # ... trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
@@ -95,9 +101,10 @@ def memory_arms() -> dict:
   return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
 
 
-def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES):
+def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
-  biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each)."""
+  biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
+  about `warm` entities only (0: no curriculum)."""
   c.model.update(vocab_size=260, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=96, max_seq_len=192)
   c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=2, num_kv_heads=2,
                   layer_indices=(1, 3))
@@ -109,6 +116,9 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES):
   c.data.facts.update(style="biography", zipf_a=0.0, num_entities=entities, num_docs=entities * docs_per_entity,
                       num_val_docs=512)
   steps = entities * docs_per_entity // BATCH
+  if warm:  # written first and read in order (the documents are written in a random order of entities)
+    c.data.facts.update(warmup_entities=warm, warmup_docs=min(WARMUP_STEPS, steps // 4) * BATCH)
+    c.data.shuffle = False
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
   c.train.update(batch_size=BATCH, steps=steps, warmup_steps=steps // 32, decay_start_ratio=0.8, base_lr=LR,
                  memory_lr=LR, bank_weight_decay=0.0, log_every=50, eval_every=steps // EVALS, eval_batches=None,
@@ -119,7 +129,9 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES):
 def _preflight(c) -> dict:
   """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer) with the same documents
   and steps, so each entity is read 8x as often: can it learn these facts at all, in the study's budget?"""
-  return {**NO_MEMORY, "data.facts.num_entities": min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))}
+  entities = min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))
+  return {**NO_MEMORY, "data.facts.num_entities": entities,
+          "data.facts.warmup_entities": min(c.data.facts.warmup_entities, entities)}
 
 
 def _with(c, overrides):
@@ -198,9 +210,10 @@ def _count(mods, key, default, least) -> int:
     return default
   n = given[-1].removeprefix(f"{key}=")
   if len(given) > 1 or not n.isdigit() or int(n) < least:
+    example = {"warm": "`configs/capacity.py:moc,readings=200,entities=2048,warm=64`"}.get(
+        key, "`configs/capacity.py:moc,bound,entities=1024` or `...:moc,readings=800,entities=512`")
     raise ValueError(f"config modifiers {sorted(given)}: give one `{key}=N`, N a whole number of at least {least}"
-                     f"{' at these readings per entity' if key == 'entities' else ''} (e.g. "
-                     "`configs/capacity.py:moc,bound,entities=1024` or `...:moc,readings=800,entities=512`)")
+                     f"{' at these readings per entity' if key == 'entities' else ''} (e.g. {example})")
   return int(n)
 
 
@@ -219,17 +232,28 @@ def _entities(mods, docs_per_entity) -> int:
   return _count(mods, "entities", ENTITIES, least)
 
 
+def _warm(mods, entities) -> int:
+  """The `warm=N` modifier's N (0 without it): the entities the first WARMUP_STEPS updates read, fewer than all."""
+  warm = _count(mods, "warm", 0, 0)
+  if warm >= entities:
+    raise ValueError(f"config modifier `warm={warm}`: give fewer entities than the corpus's {entities} (e.g. "
+                     "`warm=64`; `warm=0` or none: no curriculum)")
+  return warm
+
+
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings="))}
+  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings=", "warm="))}
   if unknown:
-    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes "
-                     "`bound`, `readings=N` and `entities=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
+    raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes `bound`, "
+                     "`readings=N`, `entities=N` and `warm=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
   docs_per_entity = _readings(mods)
   entities = _entities(mods, docs_per_entity)
-  base = _study(schema.base_config(), docs_per_entity, entities)
+  warm = _warm(mods, entities)
+  base = _study(schema.base_config(), docs_per_entity, entities, warm)
   base.update_from_flattened_dict(models[name](base))
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
-  base.name = f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
+  base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
+               + (f"-w{warm}" if warm else ""))
   return base

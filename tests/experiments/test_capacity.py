@@ -104,7 +104,7 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.data.facts.num_entities == default.data.facts.num_entities
   assert bound.train.steps == 8 * default.train.steps == 25_600 and bound.train.warmup_steps == 800
   assert (bound.train.eval_every, bound.train.checkpoint_every) == (6400, 1600) and bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N` and `entities=N`"):
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N` and `warm=N`"):
     load_config("configs/capacity.py:moc,huge")
 
 
@@ -127,6 +127,24 @@ def test_a_bad_entities_is_one_error_naming_the_least():
   for bad in ("entities=20", "entities=many", "entities=64,entities=128"):
     with pytest.raises(ValueError, match=r"give one `entities=N`, N a whole number of at least 21"):
       load_config(f"configs/capacity.py:dense,{bad}")
+
+
+def test_warm_reads_n_entities_first_for_its_steps():
+  """warm=64: the first 800 updates of 32 rows (25,600 documents) about 64 entities, read in order; a short run's
+  first quarter; the preflight's fewer entities cap it; the name says so."""
+  from moc_jax import load_config
+  c = load_config("configs/capacity.py:dense,readings=200,entities=2048,warm=64")
+  assert (c.data.facts.warmup_entities, c.data.facts.warmup_docs, c.data.shuffle) == (64, 800 * 32, False)
+  assert c.name == "capacity-dense-r200-w64"
+  short = load_config("configs/capacity.py:dense,readings=50,entities=512,warm=64")  # 800 steps: 200 of them
+  assert (short.train.steps, short.data.facts.warmup_docs) == (800, 200 * 32)
+  assert load_config("configs/capacity.py:preflight,entities=256,warm=64").data.facts.warmup_entities == 32
+  assert load_config("configs/capacity.py:dense").data.facts.warmup_docs == 0
+  with pytest.raises(ValueError, match=r"`warm=512`: give fewer entities than the corpus's 512"):
+    load_config("configs/capacity.py:dense,entities=512,warm=512")
+  with pytest.raises(ValueError, match=r"give one `warm=N`, N a whole number of at least 0 \(e.g. `configs/capacity"
+                     r".py:moc,readings=200,entities=2048,warm=64`\)"):
+    load_config("configs/capacity.py:dense,warm=some")
 
 
 def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
