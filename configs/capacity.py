@@ -130,8 +130,8 @@ def _preflight(c) -> dict:
   """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer) with the same documents
   and steps, so each entity is read 8x as often: can it learn these facts at all, in the study's budget?"""
   entities = min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))
-  return {**NO_MEMORY, "data.facts.num_entities": entities,
-          "data.facts.warmup_entities": min(c.data.facts.warmup_entities, entities)}
+  capped = {"data.facts.warmup_entities": min(c.data.facts.warmup_entities, entities)}
+  return {**NO_MEMORY, "data.facts.num_entities": entities, **(capped if c.data.facts.warmup_entities else {})}
 
 
 def _with(c, overrides):
