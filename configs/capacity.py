@@ -9,34 +9,32 @@ uniformly (zipf_a = 0), each read DOCS_PER_ENTITY times in one pass, against a b
 Sizing (count_params, moc_jax.data.facts.fact_bits, moc_jax.flops; tests/experiments/test_capacity.py checks the
 ratios):
 
-  facts     42.97 bits per entity (Σ log2 of the nine value pools) x 2,048 entities = 88.0 kbit
-  narrow    d 32, 4 layers, 2 heads, SwiGLU 96: 49,440 parameters without the tied embedding (57,760 with it):
-            1.78 bits of facts per parameter
-  wide      d 64, 4 heads, SwiGLU 192 (the gate's): 197,184 (213,824): 0.45 bits per parameter
-  memories  each about 2.7x the narrow backbone, read by layers 1 and 3: a bank of 257 chapters x 16 tokens at d 32
-            (131,584; top-4, 936,273 model FLOPs per token), a pkm table of 64^2 slots x 32 (131,072; top-8, 2 heads;
-            770,604) or two hml tables of 64^2 x 16 (131,072; 901,324); fetched by the cluster path (TREE): the same bank, 2
-            chapters a document (758,270), or FFN memory of 1,184 columns x 3 x 32 (113,664; 739,900)
-  iso       the narrow backbone at SwiGLU 208 (92,448 without the embedding: 0.95 bits per parameter), 952,468 FLOPs
-            per token: +1.7% on the costliest memory arm, the bank
+  facts     42.97 bits per entity (Σ log2 of the nine value pools) x 4,096 entities = 176.0 kbit
+  narrow    d 64, 2 layers, 4 heads (2 KV), SwiGLU 192: 98,624 parameters without the tied embedding (115,264 with
+            it): 1.78 bits of facts per parameter
+  wide      d 128, 8 heads (4 KV), SwiGLU 384 (the gate's): 393,856 (427,136): 0.45 bits per parameter
+  memories  each about 2.7x the narrow backbone, read by both layers: a bank of 257 chapters x 16 tokens at d 64
+            (263,168; top-4, 1,576,483 model FLOPs per token), a pkm table of 64^2 slots x 64 (262,144; top-8, 2 heads;
+            1,293,820) or two hml tables of 91^2 x 16 (264,992; 1,517,452); fetched by the cluster path (TREE): the same
+            bank, 2 chapters a document (1,256,016), or FFN memory of 1,184 columns x 3 x 64 (227,328; 1,135,948)
+  iso       the narrow backbone at SwiGLU 432 (190,784 without the embedding: 0.92 bits per parameter), 1,593,028
+            FLOPs per token: +1.05% on the costliest memory arm, the bank
 
 A transformer stores at most about 2 bits of such facts per parameter, about 1 after 100 exposures (Allen-Zhu & Li,
-"Physics of Language Models, Part 3.3"): at 50 exposures the narrow backbone cannot hold the facts and the wide one
-can, with room to spare. Whether these small byte-level models take the facts up that fast is what the preflight
-measures: the same steps on PREFLIGHT_ENTITIES entities (400 exposures each).
+"Physics of Language Models, Part 3.3"): the narrow backbone cannot hold the facts and the wide one can, with room
+to spare. Every run reads WARM_ENTITIES entities first (the curriculum without which the uptake of facts is a
+lottery over seeds: docs/results/2026-11-28-capacity-curriculum.md). Whether the narrow backbone takes the facts up
+in the budget is what the preflight measures: the same steps on PREFLIGHT_ENTITIES entities (16x the readings).
 
-Time. A run is one pass: 102,400 documents, 3,200 steps of 32 rows = 19.7M row slots (15.6M real tokens). On the
-2-core AMD EPYC this was sized on, shared with other jobs (load 5 to 9), a narrow step took 0.23-0.40 s (15-27k
-row slots/s; two runs at once share the cores, no faster together), and the other models relative to it: iso 1.36x,
-MoC 1.2x, pkm 1.4x, hml 1.6x, wide about 2.8x (0.70 s). In narrow runs (3,200 steps): preflight 1; gate 1 + 0.5 +
-2.8 = 4.3; arms, the lr sweep 3 rates x a quarter x 5.6 = 4.2 and the runs 5.6; confirm 3 seeds x (at most 1.6 +
-1.36) = 8.9: 24 runs, 77k narrow steps, 6.4 h at 0.3 s a step, and 5 evaluations of 4,096 probes a run (about 20 s
-each, 0.7 h): about 7 h, the study's 8-hour budget with the machine's load deciding the last hour. The two arms
-fetched by the cluster path (cheaper than the MoC arm, about 1.1x) add 2 x (3 x 0.25 + 1) x 1.1 = 3.9 narrow runs:
-about 8 h. At the readings a capacity-bound size needs (docs/results/2026-11-28-capacity-levers.md: about 400 per
-entity, 8x the default's: the `bound` modifier) the study is about 60 h on this CPU (8 x 7-8 h), the gate alone
-about 11 h (preflight 2.1, narrow 2.1, half 1.05, wide 5.9), run in parts: each run resumes from its last of
-CHECKPOINTS checkpoints.
+Time. A run is one pass: 204,800 documents, 6,400 steps of 32 rows = 39.3M row slots. On the 2-core AMD EPYC this was
+sized on, a narrow step took 0.2 s alone and 0.28 s beside another run (two runs at once share the cores, no faster
+together): 0.36 h a run alone. The others relative to it, estimated by model FLOPs per token: wide 3.1x, iso 1.5x,
+MoC 1.5x, hml 1.5x, pkm 1.25x, cluster 1.2x, FFN 1.1x (8.1 for the six arms). In narrow runs: preflight 1; gate 1 +
+0.5 + 3.1 = 4.6; arms, the lr sweep 3 rates x a quarter x 8.1 = 6.1 and the runs 8.1; confirm 3 seeds x (at most
+1.5 + 1.5) = 9.1: 29 narrow runs, about 10.5 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an
+hour. At the readings a capacity-bound size needs (400 per entity, the `bound` modifier: 8x) the study is about 90 h
+on this CPU, the gate about 16 h (preflight 2.8, narrow 2.8, half 1.4, wide 8.9), run in parts: each run resumes
+from its last of CHECKPOINTS checkpoints.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
@@ -45,38 +43,46 @@ costliest memory arm, every bank projection its routing computes included), and 
 `--config=configs/capacity.py:moc,bound`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
 kept (the steps scale with N: `moc,bound,entities=1024` is half the `bound` study's steps at 0.89 bits of facts per
 narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
-`NAME,warm=N`: a curriculum, the first WARMUP_STEPS updates about N entities only.
+`NAME,warm=N`: the first WARMUP_STEPS updates about N entities only instead of WARM_ENTITIES (`warm=0`: no
+curriculum).
 """
 from moc_jax.config import schema, sibling
 
 moc = sibling(__file__, "moc")
 
-ENTITIES = 2048
+ENTITIES = 4096
 DOCS_PER_ENTITY = 50
-# The `bound` modifier (`configs/capacity.py:NAME,bound`): the readings per entity at which the narrow backbone takes
-# these facts up (docs/results/2026-11-28-capacity-levers.md), so that the gate can tell room from exposure.
+# The `bound` modifier (`configs/capacity.py:NAME,bound`): the readings per entity at which a narrow backbone takes
+# these facts up (docs/results/2026-11-28-capacity-levers.md; the d 64 one at 2,048 entities was still taking them up
+# at 200: 2026-11-28-capacity-curriculum.md), so that the gate can tell room from exposure.
 BOUND_DOCS_PER_ENTITY = 400
 BATCH = 32                  # rows (documents) per update
-LR = 1e-2                   # every parameter group; the arms choose theirs on the `lr` sweep
+LR = 5e-3                   # every parameter group; the arms choose theirs on the `lr` sweep
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
 CHECKPOINTS = 16            # along a run: an interrupted run (a run of the `bound` size takes hours) loses at most 1/16
 PREFLIGHT_ENTITIES = 256
 # The `warm=N` modifier's curriculum: the first WARMUP_STEPS updates (a quarter of a shorter run's) read documents about
-# N entities only, the rest are drawn over all of them. Recall waits on a plateau whose length varies from seed to seed
+# N entities only (WARM_ENTITIES unless given), the rest are drawn over all of them. Recall waits on a plateau whose length varies from seed to seed
 # and grows with the entities; few entities first shorten it (Zucchet et al. 2025, "How do language models learn
 # facts?"): docs/results/2026-11-28-capacity-curriculum.md.
 WARMUP_STEPS = 800
+WARM_ENTITIES = 64
 LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
 LR_STEPS = 0.25             # ... trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
                             # is the one the gate and the arms ran on, so the confirmation is on corpora nothing chose)
 NO_MEMORY = moc.NO_MEMORY
+# The narrow backbone: 2 layers at d 64, the smallest of those measured whose uptake of facts is reliable over seeds
+# with the curriculum (docs/results/2026-11-28-capacity-curriculum.md); d 32 at 2 layers stayed at chance on 1,024
+# entities (docs/results/2026-11-29-capacity-backbone.md).
+NARROW = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
+          "model.mlp_dim": 192}
 # Twice the width (4x the parameters), at half the rate: Adam's step on a hidden matrix should shrink as its width
 # grows (muP), and the gate must not handicap either model with the other's rate.
-WIDE = {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192,
+WIDE = {"model.d_model": 128, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 384,
         "train.base_lr": LR / 2, "train.memory_lr": LR / 2}
 # The arms that fetch memory by the document's path (data/cluster_paths.py): a 16-ary tree of 2 levels, 256 leaves
-# over the 2,048 entities (8 a leaf if the tree finds them). They tell a router's failure from the bank's: the same
+# over the 4,096 entities (16 a leaf if the tree finds them). They tell a router's failure from the bank's: the same
 # bank, read by what the document is about instead of by a learned router.
 TREE = {"data.cluster.k": 16, "data.cluster.levels": 2, "memory.routing": "cluster", "memory.routing_pool": "mean"}
 # Memory arms: the overrides of the base config (itself the MoC arm) and the memory.kind each needs; an arm joins
@@ -85,10 +91,11 @@ MEMORY_ARMS = {
     "moc": ({"memory.load_balance": "routed", "memory.routing": "prefix", "memory.routing_pool": "attention"},
             "chapters"),
     "pkm": ({"memory.kind": "pkm"}, "pkm"),
-    "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer"}, "hml"),  # MIDUS: a table per memory block
+    # MIDUS: a table per memory block, its values a head wide (16): 91^2 slots make it the others' size
+    "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer", "memory.pkm_sub_keys": 91}, "hml"),
     # the bank's 257 chapters: the shared one and one per leaf (each document reads 2)
     "cluster": ({**TREE, "memory.cluster_chapters": (0, 1)}, "chapters"),
-    # FFN memory in the bank's parameters: 1,370 columns of 3 x 32, split evenly between the levels (1370 // 32 = 42
+    # FFN memory in the bank's parameters: 1,370 columns of 3 x 64, split evenly between the levels (1370 // 32 = 42
     # per level-0 node, 1370 // 512 = 2 per leaf: 1,184 columns, 44 fetched per token)
     "ffn": ({**TREE, "memory.kind": "ffn", "memory.num_shared": 0, "memory.cluster_chapters": (42, 2),
              "memory.num_chapters": 1184}, "ffn"),
@@ -105,12 +112,13 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
   biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
   about `warm` entities only (0: no curriculum)."""
-  c.model.update(vocab_size=260, d_model=32, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=96, max_seq_len=192)
-  c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=2, num_kv_heads=2,
-                  layer_indices=(1, 3))
+  c.model.update(vocab_size=260, max_seq_len=192)
+  c.update_from_flattened_dict(NARROW)
+  c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=4, num_kv_heads=4,
+                  layer_indices=(0, 1))
   c.update_from_flattened_dict(memory_arms()["moc"])
   if "kind" in c.memory:
-    c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=32)
+    c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=64)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
   c.data.update(seq_len=192, layout="pack_whole")
   c.data.facts.update(style="biography", zipf_a=0.0, num_entities=entities, num_docs=entities * docs_per_entity,
@@ -128,7 +136,8 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
 
 def _preflight(c) -> dict:
   """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer) with the same documents
-  and steps, so each entity is read 8x as often: can it learn these facts at all, in the study's budget?"""
+  and steps, so each entity is read 16x as often at the default size: can it learn these facts at all, in the study's
+  budget? It reads as many entities first as the config does, or all of them if fewer."""
   entities = min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))
   capped = {"data.facts.warmup_entities": min(c.data.facts.warmup_entities, entities)}
   return {**NO_MEMORY, "data.facts.num_entities": entities, **(capped if c.data.facts.warmup_entities else {})}
@@ -232,9 +241,15 @@ def _entities(mods, docs_per_entity) -> int:
   return _count(mods, "entities", ENTITIES, least)
 
 
+def _default_warm(entities) -> int:
+  """WARM_ENTITIES where the corpus has more entities than that, else no curriculum (too few to single some out)."""
+  return WARM_ENTITIES if entities > WARM_ENTITIES else 0
+
+
 def _warm(mods, entities) -> int:
-  """The `warm=N` modifier's N (0 without it): the entities the first WARMUP_STEPS updates read, fewer than all."""
-  warm = _count(mods, "warm", 0, 0)
+  """The `warm=N` modifier's N (_default_warm without it; 0: no curriculum): the entities the first WARMUP_STEPS
+  updates read, fewer than all."""
+  warm = _count(mods, "warm", _default_warm(entities), 0)
   if warm >= entities:
     raise ValueError(f"config modifier `warm={warm}`: give fewer entities than the corpus's {entities} (e.g. "
                      "`warm=64`; `warm=0` or none: no curriculum)")
@@ -255,5 +270,5 @@ def get_config(arg="moc"):
   base.update_from_flattened_dict(models[name](base))
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
   base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
-               + (f"-w{warm}" if warm else ""))
+               + (f"-w{warm}" if warm != _default_warm(entities) else ""))
   return base

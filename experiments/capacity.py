@@ -6,8 +6,8 @@ backbone too small to hold them (its docstring holds the arithmetic); this comma
 each a sweep of that config run to completion in DIR/<sweep>/ (resumable and idempotent like launch/sweep.py: a
 finished run is never trained again, an interrupted one resumes from its checkpoint), and writes DIR/capacity.md:
 
-  preflight  the narrow backbone on an eighth of the entities (256 at the default size), the same documents and
-             steps, so each entity is read 8x as often: can it learn these facts at all?
+  preflight  the narrow backbone on PREFLIGHT_ENTITIES = 256 entities (a sixteenth of the default's; an eighth of
+             fewer), the same documents and steps, so each is read 16x as often: can it learn these facts at all?
   gate       the narrow backbone, the same with half the steps, and the backbone at twice its width, one seed: is the
              regime capacity-bound?
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
@@ -75,14 +75,15 @@ GATE_GAP, GATE_Z = 0.05, 3.0
 GOAL_T, GOAL_HELD = 3.0, 0.5
 # What the stages' points vary beyond the arm itself: the arm of a point is its run name without them.
 RUN_KEYS = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
-# The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities, 4 rows a step, 16
-# steps, the first memory arm only (the stages treat every arm alike) and two seeds in `confirm` (Welch's t needs two).
+# The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities (the first 16
+# documents about 2 of them), 4 rows a step, 16 steps, the first memory arm only (the stages treat every arm alike)
+# and two seeds in `confirm` (Welch's t needs two).
 SIZES = {
     "default": {"shapes": {}, "seeds": (0, 1, 2)},
     "quick": {"shapes": {"data.facts.num_entities": 16, "data.facts.num_docs": 64, "data.facts.num_val_docs": 16,
                          "train.batch_size": 4, "train.steps": 16, "train.warmup_steps": 1, "train.eval_every": 4,
                          "train.checkpoint_every": 8, "train.log_every": 4, "train.num_probes": 32,
-                         "train.eval_batches": 1},
+                         "train.eval_batches": 1, "data.facts.warmup_entities": 2, "data.facts.warmup_docs": 16},
               "seeds": (0, 1), "memory_arms": 1},
 }
 

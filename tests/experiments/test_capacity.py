@@ -15,7 +15,7 @@ from experiments.sweeps import launch, report
 from moc_jax.errors import UsageError
 
 SPEC = "configs/capacity.py:moc"
-WIDE = "dense-d_model64-num_heads4-num_kv_heads2-mlp192-base_lr0.005-memory_lr0.005"
+WIDE = "dense-d_model128-num_heads8-num_kv_heads4-mlp384-base_lr0.0025-memory_lr0.0025"
 QUICK = capacity.SIZES["quick"]
 
 
@@ -100,10 +100,10 @@ def test_the_config_sizes_the_study_from_capacity():
 def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   from moc_jax import load_config
   default, bound = load_config("configs/capacity.py:dense"), load_config("configs/capacity.py:dense,bound")
-  assert bound.data.facts.num_docs == 2048 * 400 == 8 * default.data.facts.num_docs
+  assert bound.data.facts.num_docs == 4096 * 400 == 8 * default.data.facts.num_docs
   assert bound.data.facts.num_entities == default.data.facts.num_entities
-  assert bound.train.steps == 8 * default.train.steps == 25_600 and bound.train.warmup_steps == 800
-  assert (bound.train.eval_every, bound.train.checkpoint_every) == (6400, 1600) and bound.name == "capacity-dense-bound"
+  assert bound.train.steps == 8 * default.train.steps == 51_200 and bound.train.warmup_steps == 1600
+  assert (bound.train.eval_every, bound.train.checkpoint_every) == (12_800, 3200) and bound.name == "capacity-dense-bound"
   with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N` and `warm=N`"):
     load_config("configs/capacity.py:moc,huge")
 
@@ -130,16 +130,22 @@ def test_a_bad_entities_is_one_error_naming_the_least():
 
 
 def test_warm_reads_n_entities_first_for_its_steps():
-  """warm=64: the first 800 updates of 32 rows (25,600 documents) about 64 entities, read in order; a short run's
-  first quarter; the preflight's fewer entities cap it; the name says so."""
+  """By default (and with warm=64) the first 800 updates of 32 rows (25,600 documents) are about 64 entities, read in
+  order; a short run's first quarter; the preflight's fewer entities cap it; a name says when it is not 64; warm=0
+  (or a corpus of at most 64 entities) has no curriculum."""
   from moc_jax import load_config
-  c = load_config("configs/capacity.py:dense,readings=200,entities=2048,warm=64")
+  c = load_config("configs/capacity.py:dense,readings=200,entities=2048")
   assert (c.data.facts.warmup_entities, c.data.facts.warmup_docs, c.data.shuffle) == (64, 800 * 32, False)
-  assert c.name == "capacity-dense-r200-w64"
-  short = load_config("configs/capacity.py:dense,readings=50,entities=512,warm=64")  # 800 steps: 200 of them
-  assert (short.train.steps, short.data.facts.warmup_docs) == (800, 200 * 32)
-  assert load_config("configs/capacity.py:preflight,entities=256,warm=64").data.facts.warmup_entities == 32
-  assert load_config("configs/capacity.py:dense").data.facts.warmup_docs == 0
+  assert load_config("configs/capacity.py:dense,readings=200,entities=2048,warm=64").to_dict() == c.to_dict()
+  assert c.name == "capacity-dense-r200-e2048"
+  short = load_config("configs/capacity.py:dense,readings=50,entities=512,warm=32")  # 800 steps: 200 of them
+  assert (short.train.steps, short.data.facts.warmup_docs, short.data.facts.warmup_entities) == (800, 200 * 32, 32)
+  assert short.name == "capacity-dense-e512-w32"
+  assert load_config("configs/capacity.py:preflight,entities=256").data.facts.warmup_entities == 32
+  for none in ("dense,warm=0", "dense,entities=64"):
+    c = load_config(f"configs/capacity.py:{none}")
+    assert (c.data.facts.warmup_entities, c.data.facts.warmup_docs, c.data.shuffle) == (0, 0, True)
+  assert load_config("configs/capacity.py:dense,warm=0").name == "capacity-dense-w0"
   with pytest.raises(ValueError, match=r"`warm=512`: give fewer entities than the corpus's 512"):
     load_config("configs/capacity.py:dense,entities=512,warm=512")
   with pytest.raises(ValueError, match=r"give one `warm=N`, N a whole number of at least 0 \(e.g. `configs/capacity"
@@ -168,12 +174,12 @@ def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
 def test_the_sweeps():
   from experiments.sweeps.plan import plan
   gate = plan(SPEC, "gate")
-  assert [p.name for p in gate] == ["dense", "dense-steps1600", WIDE]
+  assert [p.name for p in gate] == ["dense", "dense-steps3200", WIDE]
   lr = plan(SPEC, "lr")
   arms = {capacity.arm_of(p.overrides, {}) for p in lr}
-  assert {"routed-prefix-attention", "dense-mlp208"} <= arms and len(lr) == 3 * len(arms)
-  assert {p.config.train.steps for p in lr} == {800}
-  confirm = plan(SPEC, "confirm", only=["routed-prefix-attention-base_lr0.01-memory_lr0.01-corpus2-seed1"])
+  assert {"routed-prefix-attention", "dense-mlp432"} <= arms and len(lr) == 3 * len(arms)
+  assert {p.config.train.steps for p in lr} == {1600}
+  confirm = plan(SPEC, "confirm", only=["routed-prefix-attention-base_lr0.005-memory_lr0.005-corpus2-seed1"])
   assert (confirm[0].config.seed, confirm[0].config.data.facts.seed) == (1, 2)
 
 
@@ -212,7 +218,7 @@ def _fake_training(trained, recall, fails=()):
 @pytest.fixture
 def faked(monkeypatch):
   """Training and evaluation faked: the preflight recalls 0.95, the gate's runs what `recalls` says (a passing gate
-  by default), the other runs 0.5, +0.1 at the rate 0.01, +0.05 with memory, +0.01 on the second seed; a knock-out
+  by default), the other runs 0.5, +0.1 at the rate 0.005, +0.05 with memory, +0.01 on the second seed; a knock-out
   leaves 0.3."""
   trained, evaluated = [], []
   recalls = {"dense": 0.5, "dense-steps8": 0.49, WIDE: 0.7}
@@ -220,7 +226,7 @@ def faked(monkeypatch):
   def recall(name):
     if name.startswith("dense-num_entities"):
       return 0.95
-    return recalls.get(name, 0.5 + 0.1 * ("base_lr0.01-" in name) + 0.05 * (not name.startswith("dense"))
+    return recalls.get(name, 0.5 + 0.1 * ("base_lr0.005-" in name) + 0.05 * (not name.startswith("dense"))
                        + 0.01 * name.endswith("corpus2-seed1"))
 
   def evaluate_runs(runs, parallel, harness):
@@ -248,7 +254,7 @@ def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
       "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
 
 
-GATE_RUNS = ["dense-num_entities2", "dense", "dense-steps8", WIDE]
+GATE_RUNS = ["dense-num_entities2-warmup_entities2", "dense", "dense-steps8", WIDE]
 
 
 def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, faked):
@@ -320,15 +326,15 @@ def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
   trained, evaluated, _ = faked
   out = str(tmp_path)
   text = capacity.run(out, SPEC, True, 1)
-  arms = ["routed-prefix-attention", "dense-mlp256"]
-  rates = ("0.00333", "0.01", "0.03")
+  arms = ["routed-prefix-attention", "dense-mlp624"]
+  rates = ("0.00167", "0.005", "0.015")
   assert trained == GATE_RUNS + [f"{a}-base_lr{r}-memory_lr{r}-steps4" for a in arms for r in rates] + [
-      f"{a}-base_lr0.01-memory_lr0.01" for a in arms] + [
-      f"{a}-base_lr0.01-memory_lr0.01-corpus{s + 1}-seed{s}" for s in (0, 1) for a in arms]
+      f"{a}-base_lr0.005-memory_lr0.005" for a in arms] + [
+      f"{a}-base_lr0.005-memory_lr0.005-corpus{s + 1}-seed{s}" for s in (0, 1) for a in arms]
   assert evaluated == [n for n in trained if n.startswith("routed")]
   assert "## The goal\n\nnot counted: the gate did not pass" not in text  # the faked gate passes
   assert ("**met**. routed-prefix-attention recalls 0.655 ± 0.005 against the iso-FLOP dense model's 0.605 ± 0.005 "
-          "(dense-mlp256; mean ± standard error over 2 seeds and corpora): Welch's t +7.07") in text
+          "(dense-mlp624; mean ± standard error over 2 seeds and corpora): Welch's t +7.07") in text
   count = len(trained)
   capacity.run(out, SPEC, True, 1)
   assert len(trained) == count  # nothing trained twice
