@@ -420,8 +420,9 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
       except UsageError as e:
         refusal = str(e)
         break
-      print(f"capacity: stage {stage}, sweep {sweep} ({len(todo)} runs):", *capacity_lines(todo, size["shapes"]),
-            sep="\n  ", flush=True)
+      count = f"{len(todo)} run" + "s" * (len(todo) != 1)
+      print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]), sep="\n  ",
+            flush=True)
       try:
         runs[sweep] = _run_sweep(out, spec, sweep, todo, parallel, size)
       except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
