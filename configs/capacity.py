@@ -28,13 +28,14 @@ in the budget is what the preflight measures: the same steps on PREFLIGHT_ENTITI
 
 Time. A run is one pass: 204,800 documents, 6,400 steps of 32 rows = 39.3M row slots. On the 2-core AMD EPYC this was
 sized on, a narrow step took 0.2 s alone and 0.28 s beside another run (two runs at once share the cores, no faster
-together): 0.36 h a run alone. The others relative to it, estimated by model FLOPs per token: wide 3.1x, iso 1.5x,
-MoC 1.5x, hml 1.5x, pkm 1.25x, cluster 1.2x, FFN 1.1x (8.1 for the six arms). In narrow runs: preflight 1; gate 1 +
-0.5 + 3.1 = 4.6; arms, the lr sweep 3 rates x a quarter x 8.1 = 6.1 and the runs 8.1; confirm 3 seeds x (at most
-1.5 + 1.5) = 9.1: 29 narrow runs, about 10.5 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an
-hour. At the readings a capacity-bound size needs (400 per entity, the `bound` modifier: 8x) the study is about 90 h
-on this CPU, the gate about 16 h (preflight 2.8, narrow 2.8, half 1.4, wide 8.9), run in parts: each run resumes
-from its last of CHECKPOINTS checkpoints.
+together): 0.36 h a run alone. The others relative to it, measured (docs/results/2026-11-29-capacity-step-cost.md,
+±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
+1.6x (12.4 for the six arms). In narrow runs: preflight 1; gate 1 + 0.5 + 2.2 = 3.7; arms, the lr sweep 3 rates x a
+quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 39 narrow runs, about 14 h,
+evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour. At the readings a capacity-bound size
+needs (400 per entity, the `bound` modifier: 8x) the study is about 120 h on this CPU, the gate about 13.5 h
+(preflight 2.8, narrow 2.8, half 1.4, wide 6.2), run in parts: each run resumes from its last of CHECKPOINTS
+checkpoints.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the

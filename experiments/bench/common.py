@@ -126,10 +126,16 @@ def time_calls(fn: Callable[[], Any], n: int, warmup: int = 1) -> list[float]:
 
 
 def synthetic_batch(config, seed: int = 0) -> dict:
-  """A global batch of uniform random tokens: [batch_size * grad_accum, seq_len] int32, no padding."""
+  """A global batch of uniform random tokens: [batch_size * grad_accum, seq_len] int32, no padding; with a cluster
+  tree (data.cluster.k > 0) each row one random path down it, as the pipeline gives each document's tokens."""
   rows = config.train.batch_size * config.train.grad_accum
-  ids = np.random.default_rng(seed).integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
-  return {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
+  batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
+  if config.data.cluster.k > 0:
+    paths = rng.integers(0, config.data.cluster.k, (rows, 1, config.data.cluster.levels), np.int32)
+    batch["cluster_path"] = np.repeat(paths, config.data.seq_len, axis=1)
+  return batch
 
 
 def tokens_per_step(config) -> int:

@@ -16,6 +16,7 @@ from experiments.bench import (
   moc_vs_vanilla,
   routed_attention,
   step_profile,
+  step_ratio,
   train_mfu,
   xla_vs_analytic,
 )
@@ -256,3 +257,24 @@ def test_cpu_peak_cache_round_trip(tmp_path, monkeypatch, capsys):
   out = cpu_peak.main(["--dtype=float32"])
   assert json.loads(capsys.readouterr().out) == out
   assert out["float32"]["gflops_per_s"] == pytest.approx(record["flops_per_s"] / 1e9)
+
+
+@pytest.mark.slow
+def test_step_ratio(capsys):
+  """The first config is the unit; each row's FLOP ratio is the estimator's, and every config was timed as often."""
+  r = _run(step_ratio, [f"--config={TINY}", "--config=configs/vanilla.py:tiny", "--batch_size=2", "--rounds=2",
+                        "--steps_per_round=1", *SHORT], capsys)
+  unit, vanilla = r["rows"]
+  assert (unit["time_ratio"], unit["flop_ratio"]) == (1.0, 1.0)
+  assert [row["step"]["n"] for row in r["rows"]] == [2, 2]
+  # the same tokens per step: the ratio of model FLOPs per token, of each config as loaded with the flags
+  per_token = {spec: flops.model_flops_per_token(common.load(spec, 2, common.parse_overrides(SHORT[1::2]))[0])
+               for spec in (TINY, "configs/vanilla.py:tiny")}
+  assert vanilla["flop_ratio"] == pytest.approx(per_token["configs/vanilla.py:tiny"] / per_token[TINY], rel=1e-9)
+  assert vanilla["time_ratio"] == pytest.approx(vanilla["step"]["median_s"] / unit["step"]["median_s"])
+
+
+def test_step_ratio_needs_a_config(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    step_ratio.main([])
+  assert exit_info.value.code == 2 and "--config: give at least one config spec" in capsys.readouterr().err
