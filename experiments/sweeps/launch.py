@@ -48,10 +48,16 @@ def commands(backend: str, spec: str, point: Point, workdir: str, backend_args=(
   raise ValueError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
 
 
+def was_killed(entry: dict) -> bool:
+  """The manifest says the run is running, yet a launcher is reading it anew: the launch that ran it was killed
+  (SIGKILL, a lost machine) before it could record how the attempt ended."""
+  return entry.get("status") == "running" and "started" in entry
+
+
 def killed_wall_s(entry: dict, workdir: str) -> float:
-  """The wall time of a run whose launch was killed (SIGKILL, a lost machine) while the manifest said it was
-  running: from its start to its log's last write, so that a study's stated compute counts every attempt."""
-  if entry.get("status") != "running" or "started" not in entry:
+  """The wall time of a killed launch's run (was_killed): from its start to its log's last write, so that a
+  study's stated compute counts every attempt."""
+  if not was_killed(entry):
     return 0.0
   try:
     return round(max(0.0, os.path.getmtime(os.path.join(workdir, LOG)) - entry["started"]), 1)
@@ -87,7 +93,7 @@ class Launcher:
           "name": p.name, "overrides": p.overrides, "workdir": workdir,
           "command": " && ".join(shlex.join(c) for c in self.cmds[p.name]), "status": status,
           "returncode": old.get("returncode"), "wall_s": old.get("wall_s", 0.0) + killed_wall_s(old, workdir),
-          "attempts": old.get("attempts", 0),
+          "attempts": old.get("attempts", 0) + was_killed(old),
           "steps": p.config.train.steps, "config": spec, "sweep": sweep, "backend": backend}
     # Runs of an earlier version of the sweep stay listed: their workdirs are still there.
     self.others = [e for name, e in previous.items() if name not in self.entries]

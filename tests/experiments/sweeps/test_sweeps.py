@@ -313,7 +313,8 @@ def test_launch_records_each_point_and_relaunch_skips_finished_ones(tmp_path, mo
 
 def test_a_killed_launch_keeps_its_runs_wall_time(tmp_path, fake_backend):
   """A launch killed outright (no Ctrl-C: SIGKILL, a lost machine) leaves its run `running` in the manifest; the
-  next launch adds that attempt's time, from its start to its log's last write, to the run's wall time."""
+  next launch adds that attempt's time, from its start to its log's last write, to the run's wall time, and counts
+  it: one attempt before it, the killed one, and the one that finishes."""
   spec, sweep_dir = "configs/moc.py:tiny", str(tmp_path / "sw")
   points = plan(spec, "topk", only=["k1"])
   os.makedirs(sweep_dir)
@@ -327,7 +328,7 @@ def test_a_killed_launch_keeps_its_runs_wall_time(tmp_path, fake_backend):
   os.utime(log, (started + 100, started + 100))
   assert Launcher(sweep_dir, spec, "topk", points).run() == {"done": 1}
   entry = read_manifest(sweep_dir)[0]
-  assert 105.0 <= entry["wall_s"] < 105.0 + 60 and entry["attempts"] == 2 and "started" not in entry
+  assert 105.0 <= entry["wall_s"] < 105.0 + 60 and entry["attempts"] == 3 and "started" not in entry
 
 
 def test_parallel_points_start_with_the_most_training_left(tmp_path):
