@@ -62,10 +62,10 @@ LR = 5e-3                   # every parameter group; the arms choose theirs on t
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
 CHECKPOINTS = 16            # along a run: an interrupted run (a run of the `bound` size takes hours) loses at most 1/16
 PREFLIGHT_ENTITIES = 256
-# The `warm=N` modifier's curriculum: the first WARMUP_STEPS updates (a quarter of a shorter run's) read documents about
-# N entities only (WARM_ENTITIES unless given), the rest are drawn over all of them. Recall waits on a plateau whose length varies from seed to seed
-# and grows with the entities; few entities first shorten it (Zucchet et al. 2025, "How do language models learn
-# facts?"): docs/results/2026-11-28-capacity-curriculum.md.
+# The curriculum (`warm=N`, WARM_ENTITIES without it): the first WARMUP_STEPS updates (a quarter of a shorter run's)
+# read documents about N entities only, the rest are drawn over all of them. Recall waits on a plateau whose length
+# varies from seed to seed and grows with the entities; few entities first shorten it (Zucchet et al. 2025, "How do
+# language models learn facts?"): docs/results/2026-11-28-capacity-curriculum.md.
 WARMUP_STEPS = 800
 WARM_ENTITIES = 64
 LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR

@@ -132,9 +132,11 @@ def synthetic_batch(config, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, config.model.vocab_size, (rows, config.data.seq_len), np.int32)
   batch = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": ids.copy()}
-  if config.data.cluster.k > 0:
-    paths = rng.integers(0, config.data.cluster.k, (rows, 1, config.data.cluster.levels), np.int32)
-    batch["cluster_path"] = np.repeat(paths, config.data.seq_len, axis=1)
+  if config.data.cluster.k > 0:  # a leaf per row and its ancestors: level l's node index is in 0 ... k^(l+1) - 1
+    k, levels = config.data.cluster.k, config.data.cluster.levels
+    leaves = rng.integers(0, k ** levels, rows)
+    paths = np.stack([leaves // k ** (levels - 1 - level) for level in range(levels)], -1).astype(np.int32)
+    batch["cluster_path"] = np.repeat(paths[:, None], config.data.seq_len, axis=1)
   return batch
 
 

@@ -91,6 +91,9 @@ def test_the_config_sizes_the_study_from_capacity():
   assert count_params(narrow)["backbone"] - embedding(narrow) < bits / 1.5
   assert count_params(wide)["backbone"] - embedding(wide) > 2 * bits
   assert count_params(moc)["bank"] > 2 * (count_params(narrow)["backbone"] - embedding(narrow))
+  for kind in ("pkm", "hml", "cluster", "ffn"):  # every memory within 15% of the bank's size
+    memory = count_params(load_config(f"configs/capacity.py:{kind}"))["bank"]
+    assert memory == pytest.approx(count_params(moc)["bank"], rel=0.15), kind
   assert narrow.data.seq_len >= 183  # the longest biography and its EOS
   iso = load_config("configs/capacity.py:iso")
   assert model_flops_per_token(iso) / model_flops_per_token(moc) == pytest.approx(1, abs=0.02)
