@@ -23,19 +23,19 @@ ratios):
 A transformer stores at most about 2 bits of such facts per parameter, about 1 after 100 exposures (Allen-Zhu & Li,
 "Physics of Language Models, Part 3.3"): the narrow backbone cannot hold the facts and the wide one can, with room
 to spare. Every run reads WARM_ENTITIES entities first (the curriculum without which the uptake of facts is a
-lottery over seeds: docs/results/2026-11-28-capacity-curriculum.md). Whether the narrow backbone takes the facts up
-in the budget is what the preflight measures: the same steps on PREFLIGHT_ENTITIES entities (16x the readings).
+lottery over seeds: docs/results/2026-11-28-capacity-curriculum.md). Whether the readings teach the narrow backbone
+facts at all, where it has room, is what the preflight measures: the same readings of PREFLIGHT_ENTITIES entities.
 
 Time. A run is one pass: 204,800 documents, 6,400 steps of 32 rows = 39.3M row slots. On the 2-core AMD EPYC this was
 sized on, a narrow step took 0.2 s alone and 0.28 s beside another run (two runs at once share the cores, no faster
 together): 0.36 h a run alone. The others relative to it, measured (docs/results/2026-11-29-capacity-step-cost.md,
 ±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
-1.6x (12.4 for the six arms). In narrow runs: preflight 1; gate 1 + 0.5 + 2.2 = 3.7; arms, the lr sweep 3 rates x a
-quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 39 narrow runs, about 14 h,
-evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour. At the readings a capacity-bound size
-needs (400 per entity, the `bound` modifier: 8x) the study is about 120 h on this CPU, the gate about 13.5 h
-(preflight 2.8, narrow 2.8, half 1.4, wide 6.2), run in parts: each run resumes from its last of CHECKPOINTS
-checkpoints.
+1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1 + 0.5 + 2.2 = 3.7; arms, the lr
+sweep 3 rates x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
+runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour. At the readings a
+capacity-bound size needs (400 per entity, the `bound` modifier: 8x) the study is about 115 h on this CPU, the gate
+about 10.6 h (preflight 0.2, narrow 2.8, half 1.4, wide 6.2), run in parts: each run resumes from its last of
+CHECKPOINTS checkpoints.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
@@ -126,22 +126,47 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
                       num_val_docs=512)
   steps = entities * docs_per_entity // BATCH
   if warm:  # written first and read in order (the documents are written in a random order of entities)
-    c.data.facts.update(warmup_entities=warm, warmup_docs=min(WARMUP_STEPS, steps // 4) * BATCH)
+    c.data.facts.update(warmup_entities=warm, warmup_docs=_curriculum_docs(steps, BATCH))
     c.data.shuffle = False
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
-  c.train.update(batch_size=BATCH, steps=steps, warmup_steps=steps // 32, decay_start_ratio=0.8, base_lr=LR,
-                 memory_lr=LR, bank_weight_decay=0.0, log_every=50, eval_every=steps // EVALS, eval_batches=None,
-                 num_probes=4096, checkpoint_every=steps // CHECKPOINTS)
+  c.train.update(batch_size=BATCH, decay_start_ratio=0.8, base_lr=LR, memory_lr=LR, bank_weight_decay=0.0,
+                 log_every=50, eval_batches=None, num_probes=4096)
+  c.update_from_flattened_dict(_schedule(steps))
   return c
 
 
+def _schedule(steps) -> dict:
+  """A run of `steps` updates, its warm-up, evaluations (the learning curve) and checkpoints in proportion: a shorter
+  run of a sweep (the gate's half, the `lr` sweep's quarter, the preflight) has a schedule of its own, not the full
+  run's cut short."""
+  return {"train.steps": steps, "train.warmup_steps": max(1, steps // 32), "train.eval_every": max(1, steps // EVALS),
+          "train.checkpoint_every": max(1, steps // CHECKPOINTS)}
+
+
+def _curriculum_docs(steps, batch) -> int:
+  """The documents the curriculum's updates read: WARMUP_STEPS updates, or a quarter of a shorter run's."""
+  return min(WARMUP_STEPS, steps // 4) * batch
+
+
+def _shorter(c, steps) -> dict:
+  """The overrides that make `c` a run of `steps` updates: its schedule, and its curriculum if it has one."""
+  warm = c.data.facts.warmup_entities
+  docs = {"data.facts.warmup_docs": _curriculum_docs(steps, c.train.batch_size)} if warm else {}
+  return {**_schedule(steps), **docs}
+
+
 def _preflight(c) -> dict:
-  """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer) with the same documents
-  and steps, so each entity is read 16x as often at the default size: can it learn these facts at all, in the study's
-  budget? It reads as many entities first as the config does, or all of them if fewer."""
-  entities = min(PREFLIGHT_ENTITIES, max(1, c.data.facts.num_entities // 8))
-  capped = {"data.facts.warmup_entities": min(c.data.facts.warmup_entities, entities)}
-  return {**NO_MEMORY, "data.facts.num_entities": entities, **(capped if c.data.facts.warmup_entities else {})}
+  """The narrow backbone on PREFLIGHT_ENTITIES entities (an eighth of the config's, if fewer), each read as often as
+  in the config: its curriculum, then as many readings of each entity as the config's (at least 32 updates), about
+  a thirteenth of the steps at the `bound` size. Do these readings teach the backbone these facts where it has room to
+  spare? It reads as many entities first as the config does, or all of them if fewer."""
+  facts, batch = c.data.facts, c.train.batch_size
+  entities = min(PREFLIGHT_ENTITIES, max(1, facts.num_entities // 8))
+  warm = facts.warmup_docs  # 0 without a curriculum
+  docs = max(32 * batch, warm + entities * ((facts.num_docs - warm) // facts.num_entities))
+  capped = {"data.facts.warmup_entities": min(facts.warmup_entities, entities)} if warm else {}
+  return {**NO_MEMORY, "data.facts.num_entities": entities, "data.facts.num_docs": docs, **capped,
+          **_schedule(docs // batch)}
 
 
 def _with(c, overrides):
@@ -173,12 +198,12 @@ def _lr(c, arm) -> list[dict]:
 def _gate(c):
   """The narrow backbone, the same with half the steps (its own schedule: does doubling the exposures still add
   recall?), and the backbone at twice the width."""
-  return [NO_MEMORY, {**NO_MEMORY, "train.steps": c.train.steps // 2}, {**NO_MEMORY, **WIDE}]
+  return [NO_MEMORY, {**NO_MEMORY, **_shorter(c, c.train.steps // 2)}, {**NO_MEMORY, **WIDE}]
 
 
 def _lr_sweep(c):
   """Each arm at each rate of LR_MULTIPLES for LR_STEPS of the steps: where its learning rate is chosen."""
-  steps = {"train.steps": max(1, int(c.train.steps * LR_STEPS))}
+  steps = _shorter(c, max(1, int(c.train.steps * LR_STEPS)))
   return [{**p, **steps} for arm in _arms(c) for p in _lr(c, arm)]
 
 

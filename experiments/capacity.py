@@ -7,7 +7,8 @@ each a sweep of that config run to completion in DIR/<sweep>/ (resumable and ide
 finished run is never trained again, an interrupted one resumes from its checkpoint), and writes DIR/capacity.md:
 
   preflight  the narrow backbone on PREFLIGHT_ENTITIES = 256 entities (a sixteenth of the default's; an eighth of
-             fewer), the same documents and steps, so each is read 16x as often: can it learn these facts at all?
+             fewer), each read as often as in the study (its curriculum, then the same readings): do these readings
+             teach it these facts where it has room to spare?
   gate       the narrow backbone, the same with half the steps, and the backbone at twice its width, one seed: is the
              regime capacity-bound?
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
@@ -23,7 +24,7 @@ chapter, or every value slot, zeroed).
 
 The gate (gate_verdict) passes when all three hold:
   learnable      the preflight's recall is at least PREFLIGHT_RECALL = 0.9: the narrow backbone learns these facts
-                 when there are few of them;
+                 from these readings when there are few of them (so the readings are not what bounds it);
   plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE = 0.02 from the run with half the steps to
                  the full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
                  included; within one run, recall stalls at a constant learning rate and jumps during the decay
@@ -73,8 +74,10 @@ PREFLIGHT_RECALL = 0.9
 PLATEAU_RISE, PLATEAU_FLOOR = 0.02, 0.1
 GATE_GAP, GATE_Z = 0.05, 3.0
 GOAL_T, GOAL_HELD = 3.0, 0.5
-# What the stages' points vary beyond the arm itself: the arm of a point is its run name without them.
-RUN_KEYS = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
+# What the stages' points vary beyond the arm itself (the steps with their schedule and curriculum): the arm of a
+# point is its run name without them.
+RUN_KEYS = ("train.base_lr", "train.memory_lr", "train.steps", "train.warmup_steps", "train.eval_every",
+            "train.checkpoint_every", "data.facts.warmup_docs", "seed", "data.seed", "data.facts.seed")
 # The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities (the first 16
 # documents about 2 of them), 4 rows a step, 16 steps, the first memory arm only (the stages treat every arm alike)
 # and two seeds in `confirm` (Welch's t needs two).

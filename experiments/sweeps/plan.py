@@ -20,9 +20,12 @@ BANK_KEYS = ("memory.num_tokens", "memory.num_chapters")
 _TAGS = {"memory.top_k": "k", "memory.num_tokens": "bank", "model.mlp_dim": "mlp", "model.num_layers": "layers",
          "train.steps": "steps", "memory.load_balance": "", "memory.routing": "", "memory.routing_pool": "",
          "train.bank_lr": "banklr", "data.facts.seed": "corpus"}
-# field -> the field it follows: chapters from the bank at a fixed chapter size, the decay start from the
-# steps, the placement from memory.enabled=False, the data order from the seed, the loss weight from the balance.
+# field -> the field it follows: chapters from the bank at a fixed chapter size, the decay start, warm-up,
+# evaluations, checkpoints and curriculum from the steps, the placement from memory.enabled=False, the data order
+# from the seed, the loss weight from the balance.
 _IMPLIED = {"memory.num_chapters": "memory.num_tokens", "train.decay_start_step": "train.steps",
+            "train.warmup_steps": "train.steps", "train.eval_every": "train.steps",
+            "train.checkpoint_every": "train.steps", "data.facts.warmup_docs": "train.steps",
             "memory.placement": "memory.enabled", "data.seed": "seed", "memory.load_balance_coef": "memory.load_balance"}
 
 

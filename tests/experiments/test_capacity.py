@@ -111,6 +111,25 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
     load_config("configs/capacity.py:moc,huge")
 
 
+def test_the_preflight_reads_its_entities_as_often_as_the_study_and_shorter_runs_have_their_own_schedule():
+  """At `bound`: the study's 1,638,400 documents begin with 800 updates of 32 (25,600) about 64 entities, then
+  (1,638,400 - 25,600) // 4,096 = 393 readings of each; the preflight's 256 entities the same curriculum and readings:
+  25,600 + 256 x 393 = 126,208 documents, 3,944 updates, a 32nd of them warm-up, 4 evaluations, 16 checkpoints. The
+  gate's half run and the `lr` sweep's quarter scale their schedule (and a short run's curriculum: a quarter)."""
+  from experiments.sweeps.plan import plan
+  (pre,) = plan("configs/capacity.py:moc,bound", "preflight")
+  f, t = pre.config.data.facts, pre.config.train
+  assert (f.num_entities, f.num_docs, f.warmup_entities, f.warmup_docs) == (256, 126_208, 64, 25_600)
+  assert (t.steps, t.warmup_steps, t.eval_every, t.checkpoint_every) == (3944, 123, 986, 246)
+  assert not pre.config.memory.enabled and pre.name == "dense-num_entities256-num_docs126208-warmup_entities64-steps3944"
+  half = plan("configs/capacity.py:moc,bound", "gate")[1].config
+  assert (half.train.steps, half.train.warmup_steps, half.train.eval_every, half.train.checkpoint_every,
+          half.data.facts.warmup_docs) == (25_600, 800, 6400, 1600, 25_600)
+  quarter = plan(SPEC, "lr")[0].config  # 6,400 steps at the default size: 1,600
+  assert (quarter.train.steps, quarter.train.warmup_steps, quarter.train.eval_every, quarter.train.checkpoint_every,
+          quarter.data.facts.warmup_docs) == (1600, 50, 400, 100, 400 * 32)
+
+
 @pytest.mark.parametrize("arg, entities, readings, name", [
     ("dense,bound,entities=1024", 1024, 400, "capacity-dense-bound-e1024"),
     ("dense,readings=800,entities=512", 512, 800, "capacity-dense-r800-e512")])
@@ -257,7 +276,7 @@ def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
       "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
 
 
-GATE_RUNS = ["dense-num_entities2-warmup_entities2", "dense", "dense-steps8", WIDE]
+GATE_RUNS = ["dense-num_entities2-num_docs128-warmup_entities2-steps32", "dense", "dense-steps8", WIDE]
 
 
 def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, faked):
