@@ -274,7 +274,23 @@ def test_step_ratio(capsys):
   assert vanilla["time_ratio"] == pytest.approx(vanilla["step"]["median_s"] / unit["step"]["median_s"])
 
 
+def test_step_ratio_at_several_batch_sizes(capsys):
+  """Every config at every size, the unit the first config at the first size: a row's row_ratio is its time per row
+  against the unit's, and its FLOP ratio is the estimator's per step (the bank's projections are once a micro-batch,
+  so not twice at twice the rows)."""
+  r = _run(step_ratio, [f"--config={TINY}", "--batch_size=1,2", "--rounds=1", "--steps_per_round=1", *SHORT], capsys)
+  one, two = r["rows"]
+  assert (one["batch_size"], two["batch_size"]) == (1, 2) and one["row_ratio"] == 1.0
+  assert two["row_ratio"] == pytest.approx(two["step"]["median_s"] / 2 / one["step"]["median_s"])
+  per_step = [common.analytic_train_flops_per_step(common.load(TINY, b, common.parse_overrides(SHORT[1::2]))[0])
+              for b in (1, 2)]
+  assert two["flop_ratio"] == pytest.approx(per_step[1] / per_step[0], rel=1e-9) and 1 < two["flop_ratio"] < 2
+
+
 def test_step_ratio_needs_a_config(capsys):
   with pytest.raises(SystemExit) as exit_info:
     step_ratio.main([])
   assert exit_info.value.code == 2 and "--config: give at least one config spec" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_info:
+    step_ratio.main([f"--config={TINY}", "--batch_size=32,0"])
+  assert exit_info.value.code == 2 and "--batch_size=32,0: give sizes of at least 1" in capsys.readouterr().err
