@@ -32,10 +32,13 @@ together): 0.36 h a run alone. The others relative to it, measured (docs/results
 ±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
 1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1 + 0.5 + 2.2 = 3.7; arms, the lr
 sweep 3 rates x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
-runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour. At the readings a
-capacity-bound size needs (400 per entity, the `bound` modifier: 8x) the study is about 115 h on this CPU, the gate
-about 10.6 h (preflight 0.2, narrow 2.8, half 1.4, wide 6.2), run in parts: each run resumes from its last of
-CHECKPOINTS checkpoints.
+runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour; but its preflight
+recalls 0.772 of the 0.9 the gate needs: 50 readings do not teach the backbone even 256 entities. At the readings
+that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recalls 1.000; both in
+docs/results/2026-11-29-capacity-preflight.md) the study, `python -m experiments.capacity`'s default, is about 115 h
+on this CPU, over the 8 h it was meant to fit, its gate about 10.6 h (preflight 0.2, narrow 2.8, half 1.4, wide 6.2),
+run in parts: each run resumes from its last of CHECKPOINTS checkpoints. Rows per update do not buy speed here: a
+step of 32, 64 or 128 rows costs the same per row (12.0 to 12.5 ms for the narrow backbone, 27 to 30 for MoC).
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the

@@ -1,5 +1,5 @@
 """`python -m experiments.capacity --out=DIR [--stages=preflight,gate,arms,confirm] [--quick] [--parallel=2]
-[--config=configs/capacity.py:moc]`
+[--config=configs/capacity.py:moc,bound]`
 
 Does a memory pay where the dense model runs out of room? configs/capacity.py sizes a store of facts against a
 backbone too small to hold them (its docstring holds the arithmetic); this command runs the study in four stages,
@@ -43,10 +43,12 @@ The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model
 least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its recall above
 chance (means over seeds).
 
---stages runs some stages (the default size takes hours: split it over invocations or machines sharing DIR); a stage
-left out is not run, but capacity.md reports what DIR holds of it. `--config=configs/capacity.py:moc,bound` is the
-size at which the narrow backbone takes these facts up at all (400 readings per entity; its docstring has the hours);
-`moc,bound,entities=N` the same readings of N entities. At the start of each stage the command prints the
+--stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
+stage left out is not run, but capacity.md reports what DIR holds of it. The default `--config`,
+`configs/capacity.py:moc,bound`, reads each entity 400 times, the readings at which the narrow backbone takes these
+facts up where it has room (its preflight recalls 1.000; at `configs/capacity.py:moc`'s 50 readings 0.772: the gate
+fails there by exposure; docs/results/2026-11-29-capacity-preflight.md); `moc,bound,entities=N` the same readings of
+N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command prints the
 corpus's bits of facts beside each model's parameters.
 """
 from __future__ import annotations
@@ -95,7 +97,7 @@ def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
   harness.define_flags("capacity", "preflight/, gate/, lr/, arms/, confirm/, capacity.md",
                        "preflight, gate, lr, arms and confirm define the runs")
-  FLAGS.set_default("config", "configs/capacity.py:moc")
+  FLAGS.set_default("config", "configs/capacity.py:moc,bound")
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of preflight, gate, arms, confirm; the others are "
                     "reported from what DIR holds of them.")
 
