@@ -38,7 +38,8 @@ that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recal
 docs/results/2026-11-29-capacity-preflight.md) the study, `python -m experiments.capacity`'s default, is about 115 h
 on this CPU, over the 8 h it was meant to fit, its gate about 10.6 h (preflight 0.2, narrow 2.8, half 1.4, wide 6.2),
 run in parts: each run resumes from its last of CHECKPOINTS checkpoints. Rows per update do not buy speed here: a
-step of 32, 64 or 128 rows costs the same per row (12.0 to 12.5 ms for the narrow backbone, 27 to 30 for MoC).
+step of 32, 64 or 128 rows costs about the same per row (11.9 to 12.2 ms for the narrow backbone, 25 to 29 for MoC,
+beside two training runs: the preflight record's `step_ratio` command).
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the

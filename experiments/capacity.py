@@ -63,7 +63,7 @@ from experiments import harness
 from experiments.evaluation import eval_seconds, evaluate_runs
 from experiments.sweeps import report
 from experiments.sweeps.launch import run_to_completion
-from experiments.sweeps.plan import is_moc, plan, run_name
+from experiments.sweeps.plan import IMPLIED, is_moc, plan, run_name
 from experiments.sweeps.runs import MANIFEST, final_eval, read_metrics
 from moc_jax import cli
 
@@ -76,10 +76,10 @@ PREFLIGHT_RECALL = 0.9
 PLATEAU_RISE, PLATEAU_FLOOR = 0.02, 0.1
 GATE_GAP, GATE_Z = 0.05, 3.0
 GOAL_T, GOAL_HELD = 3.0, 0.5
-# What the stages' points vary beyond the arm itself (the steps with their schedule and curriculum): the arm of a
-# point is its run name without them.
-RUN_KEYS = ("train.base_lr", "train.memory_lr", "train.steps", "train.warmup_steps", "train.eval_every",
-            "train.checkpoint_every", "data.facts.warmup_docs", "seed", "data.seed", "data.facts.seed")
+# What the stages' points vary beyond the arm itself, and the fields that follow them (the steps' schedule and
+# curriculum: plan.IMPLIED): the arm of a point is its run name without them.
+_VARIED = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
+RUN_KEYS = (*_VARIED, *(key for key, follows in IMPLIED.items() if follows in _VARIED and key not in _VARIED))
 # The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities (the first 16
 # documents about 2 of them), 4 rows a step, 16 steps, the first memory arm only (the stages treat every arm alike)
 # and two seeds in `confirm` (Welch's t needs two).

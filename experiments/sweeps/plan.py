@@ -23,7 +23,7 @@ _TAGS = {"memory.top_k": "k", "memory.num_tokens": "bank", "model.mlp_dim": "mlp
 # field -> the field it follows: chapters from the bank at a fixed chapter size, the decay start, warm-up,
 # evaluations, checkpoints and curriculum from the steps, the placement from memory.enabled=False, the data order
 # from the seed, the loss weight from the balance.
-_IMPLIED = {"memory.num_chapters": "memory.num_tokens", "train.decay_start_step": "train.steps",
+IMPLIED = {"memory.num_chapters": "memory.num_tokens", "train.decay_start_step": "train.steps",
             "train.warmup_steps": "train.steps", "train.eval_every": "train.steps",
             "train.checkpoint_every": "train.steps", "data.facts.warmup_docs": "train.steps",
             "memory.placement": "memory.enabled", "data.seed": "seed", "memory.load_balance_coef": "memory.load_balance"}
@@ -55,7 +55,7 @@ MAX_NAME = 120  # a run's directory name, well inside a file system's 255 bytes
 
 def run_name(overrides: dict) -> str:
   """Deterministic from the overrides, in their order: `k8-bank1040`, `dense-mlp224`; `base` if none.
-  `memory.enabled=False` is `dense`; a field that follows another overridden one (_IMPLIED) is left out. A name
+  `memory.enabled=False` is `dense`; a field that follows another overridden one (IMPLIED) is left out. A name
   longer than MAX_NAME keeps its head and its tail (where a sweep's knobs usually are) around a digest of the
   whole, so it stays unique."""
   name = _full_name(overrides)
@@ -70,7 +70,7 @@ def _full_name(overrides: dict) -> str:
   for key, value in overrides.items():
     if key == "memory.enabled" and value is False:
       parts.append("dense")
-    elif _IMPLIED.get(key) not in overrides:
+    elif IMPLIED.get(key) not in overrides:
       text = re.sub(r"[^A-Za-z0-9.]+", "_", flag_value(value)).strip("_")
       parts.append(_TAGS.get(key, key.rsplit(".", 1)[-1]) + text)
   return "-".join(parts) or "base"
