@@ -49,7 +49,8 @@ costliest memory arm, every bank projection its routing computes included), and 
 kept (the steps scale with N: `moc,bound,entities=2048` is half the `bound` study's steps at 0.89 bits of facts per
 narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
 `NAME,warm=N`: the first WARMUP_STEPS updates about N entities only instead of WARM_ENTITIES (`warm=0`: no
-curriculum).
+curriculum); `NAME,ramp=N`: the N updates after those about a set of entities growing geometrically from the
+curriculum's to all of them instead of all at once (a shorter run of a sweep has a ramp as long in proportion).
 """
 from moc_jax.config import schema, sibling
 
@@ -113,10 +114,10 @@ def memory_arms() -> dict:
   return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
 
 
-def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
+def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
   biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
-  about `warm` entities only (0: no curriculum)."""
+  about `warm` entities only (0: no curriculum), the `ramp` updates after them about a set growing from those to all."""
   c.model.update(vocab_size=260, max_seq_len=192)
   c.update_from_flattened_dict(NARROW)
   c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=4, num_kv_heads=4,
@@ -130,7 +131,7 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0):
                       num_val_docs=512)
   steps = entities * docs_per_entity // BATCH
   if warm:  # written first and read in order (the documents are written in a random order of entities)
-    c.data.facts.update(warmup_entities=warm, warmup_docs=_curriculum_docs(steps, BATCH))
+    c.data.facts.update(warmup_entities=warm, warmup_docs=_curriculum_docs(steps, BATCH), ramp_docs=ramp * BATCH)
     c.data.shuffle = False
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
   c.train.update(batch_size=BATCH, decay_start_ratio=0.8, base_lr=LR, memory_lr=LR, bank_weight_decay=0.0,
@@ -153,10 +154,13 @@ def _curriculum_docs(steps, batch) -> int:
 
 
 def _shorter(c, steps) -> dict:
-  """The overrides that make `c` a run of `steps` updates: its schedule, and its curriculum if it has one."""
-  warm = c.data.facts.warmup_entities
-  docs = {"data.facts.warmup_docs": _curriculum_docs(steps, c.train.batch_size)} if warm else {}
-  return {**_schedule(steps), **docs}
+  """The overrides that make `c` a run of `steps` updates: its schedule, and its curriculum if it has one (a ramp
+  as long in proportion)."""
+  facts = c.data.facts
+  if not facts.warmup_entities:
+    return _schedule(steps)
+  ramp = {"data.facts.ramp_docs": facts.ramp_docs * steps // c.train.steps} if facts.ramp_docs else {}
+  return {**_schedule(steps), "data.facts.warmup_docs": _curriculum_docs(steps, c.train.batch_size), **ramp}
 
 
 def _preflight(c) -> dict:
@@ -168,7 +172,8 @@ def _preflight(c) -> dict:
   entities = min(PREFLIGHT_ENTITIES, max(1, facts.num_entities // 8))
   warm = facts.warmup_docs  # 0 without a curriculum
   docs = max(32 * batch, warm + entities * ((facts.num_docs - warm) // facts.num_entities))
-  capped = {"data.facts.warmup_entities": min(facts.warmup_entities, entities)} if warm else {}
+  ramp = {"data.facts.ramp_docs": facts.ramp_docs * docs // facts.num_docs} if facts.ramp_docs else {}
+  capped = {"data.facts.warmup_entities": min(facts.warmup_entities, entities), **ramp} if warm else {}
   return {**NO_MEMORY, "data.facts.num_entities": entities, "data.facts.num_docs": docs, **capped,
           **_schedule(docs // batch)}
 
@@ -249,7 +254,8 @@ def _count(mods, key, default, least) -> int:
     return default
   n = given[-1].removeprefix(f"{key}=")
   if len(given) > 1 or not n.isdigit() or int(n) < least:
-    example = {"warm": "`configs/capacity.py:moc,readings=200,entities=2048,warm=64`"}.get(
+    example = {"warm": "`configs/capacity.py:moc,readings=200,entities=2048,warm=64`",
+               "ramp": "`configs/capacity.py:dense,readings=100,ramp=3200`"}.get(
         key, "`configs/capacity.py:moc,bound,entities=1024` or `...:moc,readings=800,entities=512`")
     raise ValueError(f"config modifiers {sorted(given)}: give one `{key}=N`, N a whole number of at least {least}"
                      f"{' at these readings per entity' if key == 'entities' else ''} (e.g. {example})")
@@ -286,19 +292,35 @@ def _warm(mods, entities) -> int:
   return warm
 
 
+def _ramp(mods, warm, steps) -> int:
+  """The `ramp=N` modifier's N (0 without it): the updates after the curriculum's whose entities grow from its `warm`
+  to all of them."""
+  ramp = _count(mods, "ramp", 0, 0)
+  if ramp and not warm:
+    raise ValueError(f"config modifier `ramp={ramp}`: a ramp grows the curriculum's entities to all of them; leave "
+                     f"out `warm=0` (without it the curriculum reads the first {WARM_ENTITIES})")
+  room = steps - _curriculum_docs(steps, BATCH) // BATCH
+  if ramp > room:
+    raise ValueError(f"config modifier `ramp={ramp}`: give at most the {room} updates after the curriculum's "
+                     "(e.g. `ramp=3200`)")
+  return ramp
+
+
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings=", "warm="))}
+  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings=", "warm=", "ramp="))}
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes `bound`, "
-                     "`readings=N`, `entities=N` and `warm=N` (e.g. `configs/capacity.py:moc,bound,entities=1024`)")
+                     "`readings=N`, `entities=N`, `warm=N` and `ramp=N` (e.g. "
+                     "`configs/capacity.py:moc,bound,entities=1024`)")
   docs_per_entity = _readings(mods)
   entities = _entities(mods, docs_per_entity)
   warm = _warm(mods, entities)
-  base = _study(schema.base_config(), docs_per_entity, entities, warm)
+  ramp = _ramp(mods, warm, entities * docs_per_entity // BATCH)
+  base = _study(schema.base_config(), docs_per_entity, entities, warm, ramp)
   base.update_from_flattened_dict(models[name](base))
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
   base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
-               + (f"-w{warm}" if warm != _default_warm(entities) else ""))
+               + (f"-w{warm}" if warm != _default_warm(entities) else "") + (f"-ramp{ramp}" if ramp else ""))
   return base

@@ -30,7 +30,8 @@ The gate (gate_verdict) passes when all three hold:
                  included; within one run, recall stalls at a constant learning rate and jumps during the decay
                  whatever bounds it (docs/results/2026-11-26-smaller-backbone.md). And the plateau is at least
                  PLATEAU_FLOOR = 0.1 above chance: a backbone that holds nothing has not filled up, it has not
-                 started (a model at 1 bit per parameter would hold half the default's facts);
+                 started (a model at 1 bit per parameter would hold half the default's facts). A narrow run that
+                 ends under the floor fails the gate by itself: the stage then trains none of its other runs;
   room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
                  binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
                  plateau is below the facts it saw.
@@ -115,19 +116,25 @@ def _unfinished(runs: dict) -> str:
 
 
 def gate_verdict(preflight, narrow, half, wide) -> dict:
-  """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
-  met, numbers)]}; a check whose runs are missing is not met."""
+  """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, started, checks:
+  [(name, met, numbers)]}; a check whose runs are missing is not met; `started` is False when the finished narrow run
+  is under the plateau's floor, which fails the gate whatever its other runs show."""
   checks = []
+  started = narrow is None or narrow["recall"] >= CHANCE + PLATEAU_FLOOR
   if preflight is None:
     checks.append(("learnable", False, "no finished preflight"))
   else:
     checks.append(("learnable", preflight["recall"] >= PREFLIGHT_RECALL,
                    f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})"))
-  if narrow is None or half is None:
+  if not started:
+    numbers = (f"narrow recall {narrow['recall']:.3f} at all the steps, under the floor {CHANCE + PLATEAU_FLOOR:g}: "
+               "it has not started taking the facts up, whatever the half-steps run")
+    checks.append(("plateaued", False, numbers))
+  elif narrow is None or half is None:
     checks.append(("plateaued", False, _unfinished({"narrow": narrow, "half-steps": half})))
   else:
     rise = narrow["recall"] - half["recall"]
-    checks.append(("plateaued", rise <= PLATEAU_RISE and narrow["recall"] >= CHANCE + PLATEAU_FLOOR,
+    checks.append(("plateaued", rise <= PLATEAU_RISE,
                    f"narrow recall {half['recall']:.3f} at half the steps, {narrow['recall']:.3f} at all of them: "
                    f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ {CHANCE + PLATEAU_FLOOR:g})"))
   if narrow is None or wide is None:
@@ -138,7 +145,7 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
     checks.append(("room", gap >= GATE_GAP and z >= GATE_Z,
                    f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {gap:+.3f}, {z:+.1f} "
                    f"combined standard errors (needs ≥ {GATE_GAP:+g} and ≥ {GATE_Z:g})"))
-  return {"passed": all(met for _, met, _ in checks), "checks": checks}
+  return {"passed": all(met for _, met, _ in checks), "started": started, "checks": checks}
 
 
 def goal_verdict(memory, dense) -> dict:
@@ -417,6 +424,10 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
       failed = "; ".join(numbers for _, met, numbers in gate["checks"] if not met)
       refusal = (f"stage {stage} not run: the gate has not passed ({failed}); no memory result counts without it "
                  "(run --stages=preflight,gate first)")
+      break
+    if stage == "gate" and not gate["started"] and not quick:
+      refusal = (f"stage gate stopped: {gate['checks'][1][2]}; the gate cannot pass, so its other runs are not "
+                 "trained (the onset is the lever: a longer curriculum or a ramp, more readings, a wider backbone)")
       break
     t0 = time.time()
     for sweep in SWEEPS[stage]:

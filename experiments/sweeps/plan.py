@@ -26,7 +26,8 @@ _TAGS = {"memory.top_k": "k", "memory.num_tokens": "bank", "model.mlp_dim": "mlp
 IMPLIED = {"memory.num_chapters": "memory.num_tokens", "train.decay_start_step": "train.steps",
             "train.warmup_steps": "train.steps", "train.eval_every": "train.steps",
             "train.checkpoint_every": "train.steps", "data.facts.warmup_docs": "train.steps",
-            "memory.placement": "memory.enabled", "data.seed": "seed", "memory.load_balance_coef": "memory.load_balance"}
+            "data.facts.ramp_docs": "train.steps", "memory.placement": "memory.enabled", "data.seed": "seed",
+            "memory.load_balance_coef": "memory.load_balance"}
 
 
 @dataclasses.dataclass(eq=False)

@@ -267,6 +267,9 @@ def data_config() -> config_dict.ConfigDict:
   # first. 0 and 0: none
   f.warmup_entities = 0
   f.warmup_docs = 0
+  # after the curriculum's documents, this many draw over a set of entities growing geometrically from warmup_entities
+  # to all of them (data/facts.py), instead of all at once. 0: none
+  f.ramp_docs = 0
   return c
 
 

@@ -10,7 +10,9 @@ corpus's `style`:
               in a random order, short enough for one row: with many documents per entity, a store sized
               by its bits of facts (`fact_bits`) against what a backbone can hold.
 A curriculum (`warmup_entities`, `warmup_docs`): the first training documents name only the first few entities,
-written in order so that, read in order, a model learns to look facts up on few entities before it meets them all.
+written in order so that, read in order, a model learns to look facts up on few entities before it meets them all;
+with `ramp_docs`, the next documents name a set of entities that grows geometrically from those few to all of them,
+so that the way to look facts up, learnt on few, is not lost on meeting thousands at once.
 Splits:
   train       documents rendered with the attribute's training templates;
   validation  held-out documents about the same facts, rendered with the training templates (new
@@ -25,6 +27,7 @@ Everything is a pure function of the config (sizes + seed), and each config is c
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -135,6 +138,7 @@ class MocFactsConfig(tfds.core.BuilderConfig):
   order: str
   warmup_entities: int
   warmup_docs: int
+  ramp_docs: int
 
   @classmethod
   def for_sizes(cls, facts) -> "MocFactsConfig":
@@ -147,6 +151,8 @@ class MocFactsConfig(tfds.core.BuilderConfig):
       name += f"_{fields['order']}"
     if fields["warmup_docs"]:
       name += "_w{warmup_entities}x{warmup_docs}".format(**fields)
+    if fields["ramp_docs"]:
+      name += "_r{ramp_docs}".format(**fields)
     return cls(name=name, description="moc_facts with " + name, **fields)
 
 
@@ -184,6 +190,10 @@ def _check(cfg: MocFactsConfig):
        "give both warmup_docs and warmup_entities, or neither (0 and 0: no curriculum)"),
       ("warmup_docs", cfg.warmup_docs == 0 or cfg.order == "shuffled",
        "use 0 with order='stream' (a stream is its own order)"),
+      ("ramp_docs", cfg.ramp_docs == 0 or cfg.warmup_docs > 0,
+       "use 0 without a curriculum (the ramp grows the set from warmup_entities: give warmup_docs too)"),
+      ("ramp_docs", 0 <= cfg.ramp_docs <= cfg.num_docs - cfg.warmup_docs,
+       f"use 0..num_docs - warmup_docs={cfg.num_docs - cfg.warmup_docs}"),
   ]
   for field, ok, fix in checks:
     if not ok:
@@ -232,15 +242,27 @@ def _rngs(cfg):
 
 def _picks(cfg, split, n, rng=None):
   """The entity of each of a split's `n` documents: Zipf(a) over entity ranks (index i: rank i+1), the first
-  warmup_docs of the training split's over the first warmup_entities ranks only (the curriculum); the training split
-  of a `stream` corpus holds n / num_entities documents of entity 0, then as many of entity 1, ..."""
+  warmup_docs of the training split's over the first warmup_entities ranks only (the curriculum), the next ramp_docs
+  over the first _ramp_entities ranks; the training split of a `stream` corpus holds n / num_entities documents of
+  entity 0, then as many of entity 1, ..."""
   if cfg.order == "stream" and split == "train":
     return [e for e in range(cfg.num_entities) for _ in range(n // cfg.num_entities)]
   weights = list(itertools.accumulate(r ** -cfg.zipf_a for r in range(1, cfg.num_entities + 1)))
   rng = rng or _rngs(cfg)[{"train": 2, "validation": 3}[split]]
-  warmup = cfg.warmup_docs if split == "train" else 0
+  warmup, ramp = (cfg.warmup_docs, cfg.ramp_docs) if split == "train" else (0, 0)
   first = rng.choices(range(cfg.warmup_entities), cum_weights=weights[:cfg.warmup_entities], k=warmup) if warmup else []
-  return first + rng.choices(range(cfg.num_entities), cum_weights=weights, k=n - warmup)
+  # rng.choices over the first m ranks, drawn one at a time without slicing the weights (O(log m) a document)
+  growing = [bisect.bisect(weights, rng.random() * weights[m - 1], 0, m - 1) for m in _ramp_entities(cfg, ramp)]
+  return first + growing + rng.choices(range(cfg.num_entities), cum_weights=weights, k=n - warmup - ramp)
+
+
+def _ramp_entities(cfg, ramp) -> list[int]:
+  """The entities the i-th of the ramp's documents may name: the first floor(w * (N / w) ** ((i + 1) / ramp)), w the
+  warm-up's entities and N all of them: a geometric growth (each entity added is read about as often as those before
+  it were when they were new), the last document over all N."""
+  w, total = cfg.warmup_entities, cfg.num_entities
+  # the 1e-9 keeps a power that rounds a hair under a whole number (the last: w * (N / w) ** 1.0) from losing one
+  return [min(total, math.floor(w * (total / w) ** ((i + 1) / ramp) + 1e-9)) for i in range(ramp)]
 
 
 def generate(cfg: MocFactsConfig) -> dict:
@@ -301,7 +323,7 @@ class MocFacts(tfds.core.GeneratorBasedBuilder):
     # TFDS writes the records in an order hashed from their keys; a stream and a curriculum keep generation order
     # (the pipeline reads it in order with data.shuffle=False), the other corpora the order they were always
     # written in
-    in_order = self.builder_config.order == "stream" or self.builder_config.warmup_docs > 0
+    in_order = self.builder_config.order == "stream" or self.builder_config.warmup_docs > 0  # a ramp needs one
     return tfds.core.DatasetInfo(
         builder=self,
         description=__doc__,

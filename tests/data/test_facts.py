@@ -175,12 +175,34 @@ def test_a_warmup_names_only_its_entities_first_and_leaves_the_rest_as_drawn():
   assert fact_bits(facts)["entities"] == 60
 
 
+def test_a_ramp_grows_the_named_entities_geometrically_from_the_warmups_to_all():
+  """warmup 6 entities x 100 documents, then a ramp of 10: document i of the ramp names one of the first
+  floor(6 * 10 ** ((i + 1) / 10)) entities (by hand: 7, 9, 11, 15, 18, 23, 30, 37, 47, 60), each drawn as
+  rng.choices over them would, then the 890 others over all 60 (without a ramp: the warm-up test's draws)."""
+  import random
+  facts = biography(num_docs=1000, warmup_entities=6, warmup_docs=100, ramp_docs=10)
+  cfg = MocFactsConfig.for_sizes(facts)
+  assert cfg.name == "e60_d1000_v40_z0.0_s0_p1_c4_biography_w6x100_r10"
+  ranks = [d["entity_rank"] - 1 for d in generate(cfg)["train"]]
+  stream = random.Random("moc_facts/0/2")
+  first = stream.choices(range(6), k=100)
+  ramp = [stream.choices(range(m))[0] for m in (7, 9, 11, 15, 18, 23, 30, 37, 47, 60)]
+  assert ranks == first + ramp + stream.choices(range(60), k=890)
+  # a longer ramp over a Zipf corpus: never past its bound, from about the warm-up's 6 to the last entities
+  zipf = MocFactsConfig.for_sizes(tiny_facts(num_docs=3000, warmup_entities=6, warmup_docs=100, ramp_docs=2000))
+  ramped = [d["entity_rank"] for d in generate(zipf)["train"]][100:2100]
+  bounds = [math.floor(6 * 10 ** ((i + 1) / 2000) + 1e-9) for i in range(2000)]
+  assert all(r <= b for r, b in zip(ramped, bounds)) and max(ramped[:200]) <= 7 and max(ramped[-200:]) > 50
+
+
 @pytest.mark.parametrize("overrides, problem", [
     ({"warmup_entities": 61, "warmup_docs": 10}, r"warmup_entities=61 is invalid: use 0..num_entities=60"),
     ({"warmup_entities": 6, "warmup_docs": 601}, r"warmup_docs=601 is invalid: use 0..num_docs=600"),
     ({"warmup_entities": 6}, r"warmup_docs=0 is invalid: give both warmup_docs and warmup_entities, or neither"),
     ({"warmup_docs": 10}, r"warmup_docs=10 is invalid: give both"),
     ({"warmup_entities": 6, "warmup_docs": 10, "order": "stream"}, r"warmup_docs=10 is invalid: use 0 with order"),
+    ({"ramp_docs": 10}, r"ramp_docs=10 is invalid: use 0 without a curriculum"),
+    ({"warmup_entities": 6, "warmup_docs": 10, "ramp_docs": 591}, r"ramp_docs=591 is invalid: use 0..num_docs - w"),
 ])
 def test_a_bad_warmup_is_one_error(overrides, problem):
   with pytest.raises(DataError, match=rf"config.data.facts.{problem}"):

@@ -49,6 +49,15 @@ def test_the_gate_fails_each_way(preflight, narrow, half, wide, failed):
   assert [name for name, met in checks(verdict).items() if not met] == [failed]
 
 
+def test_a_narrow_run_under_the_floor_fails_the_gate_without_its_other_runs():
+  verdict = capacity.gate_verdict(score(0.97), score(0.249), None, None)
+  assert not verdict["passed"] and not verdict["started"]
+  assert verdict["checks"][1][2] == ("narrow recall 0.249 at all the steps, under the floor 0.35: it has not started "
+                                     "taking the facts up, whatever the half-steps run")
+  assert capacity.gate_verdict(score(0.97), score(0.35), None, None)["started"]
+  assert capacity.gate_verdict(score(0.97), None, None, None)["started"]  # not known yet
+
+
 def test_the_gate_without_its_runs_does_not_pass():
   verdict = capacity.gate_verdict(None, score(0.5), None, None)
   assert checks(verdict) == {"learnable": False, "plateaued": False, "room": False}
@@ -107,7 +116,7 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.data.facts.num_entities == default.data.facts.num_entities
   assert bound.train.steps == 8 * default.train.steps == 51_200 and bound.train.warmup_steps == 1600
   assert (bound.train.eval_every, bound.train.checkpoint_every) == (12_800, 3200) and bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N` and `warm=N`"):
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N`, `warm=N` and `ramp=N`"):
     load_config("configs/capacity.py:moc,huge")
 
 
@@ -173,6 +182,27 @@ def test_warm_reads_n_entities_first_for_its_steps():
   with pytest.raises(ValueError, match=r"give one `warm=N`, N a whole number of at least 0 \(e.g. `configs/capacity"
                      r".py:moc,readings=200,entities=2048,warm=64`\)"):
     load_config("configs/capacity.py:dense,warm=some")
+
+
+def test_ramp_grows_the_entities_after_the_curriculum_and_shorter_runs_scale_it():
+  """ramp=3200 at 100 readings (12,800 updates of 32 rows): 102,400 documents after the curriculum's 25,600 about a
+  growing set; the gate's half run and the preflight (3,944 of 51,200 updates: 126,208 of 1,638,400 documents) keep
+  it in proportion, by hand; a ramp without a curriculum, or longer than the updates after it, is one error."""
+  from moc_jax import load_config
+  c = load_config("configs/capacity.py:dense,readings=100,ramp=3200")
+  assert (c.train.steps, c.data.facts.warmup_docs, c.data.facts.ramp_docs, c.data.shuffle) == (12_800, 25_600,
+                                                                                                102_400, False)
+  assert c.name == "capacity-dense-r100-ramp3200"
+  assert load_config("configs/capacity.py:dense,readings=100").data.facts.ramp_docs == 0
+  from experiments.sweeps.plan import plan
+  dense, half, wide = (p.config.data.facts for p in plan("configs/capacity.py:moc,bound,ramp=12800", "gate"))
+  assert (dense.ramp_docs, half.ramp_docs, wide.ramp_docs) == (409_600, 204_800, 409_600)
+  (pre,) = plan("configs/capacity.py:moc,bound,ramp=12800", "preflight")
+  assert (pre.config.data.facts.num_docs, pre.config.data.facts.ramp_docs) == (126_208, 31_552)  # 409,600 / 12.98
+  with pytest.raises(ValueError, match=r"`ramp=3200`: a ramp grows the curriculum's entities .* leave out `warm=0`"):
+    load_config("configs/capacity.py:dense,ramp=3200,warm=0")
+  with pytest.raises(ValueError, match=r"`ramp=12001`: give at most the 12000 updates after the curriculum's"):
+    load_config("configs/capacity.py:dense,readings=100,ramp=12001")
 
 
 def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
@@ -339,6 +369,26 @@ def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
   assert trained == GATE_RUNS
   with pytest.raises(UsageError, match="stage confirm not run: the gate has not passed"):
     capacity.run(out, SPEC, False, 1, stages=["confirm"])
+
+
+def test_a_gate_whose_narrow_run_ended_under_the_floor_trains_nothing_more(tmp_path, faked, monkeypatch):
+  """At the default size's rules: the narrow run finished at 0.26 (the half and wide runs stopped short); run again,
+  the stage stops with one line before training them, since no half or wide run can make the gate pass."""
+  trained, _, recalls = faked
+  out = str(tmp_path)
+  monkeypatch.setitem(capacity.SIZES, "default", QUICK)
+  recalls["dense"] = 0.26
+  stopped = {"dense-steps8", WIDE}
+  with monkeypatch.context() as m:
+    m.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails=stopped))
+    with pytest.raises(SystemExit):
+      capacity.run(out, SPEC, False, 1, stages=["gate"])
+  assert set(trained) == {"dense", *stopped}
+  del trained[:]
+  with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor "
+                                       r"0.35: .*the gate cannot pass, so its other runs are not trained"):
+    capacity.run(out, SPEC, False, 1, stages=["gate"])
+  assert trained == []
 
 
 def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
