@@ -30,12 +30,14 @@ The gate (gate_verdict) passes when all three hold:
                  included; within one run, recall stalls at a constant learning rate and jumps during the decay
                  whatever bounds it (docs/results/2026-11-26-smaller-backbone.md). And the plateau is at least
                  PLATEAU_FLOOR = 0.1 above chance: a backbone that holds nothing has not filled up, it has not
-                 started (a model at 1 bit per parameter would hold half the default's facts). A narrow run that
-                 ends under the floor fails the gate by itself: the stage then trains none of its other runs;
+                 started (a model at 1 bit per parameter would hold half the default's facts);
   room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
                  binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
                  plateau is below the facts it saw.
-No memory result counts without it: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
+A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
+and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
+0.9; the narrow and half-steps runs first, and the wide run (the longest, about 6 h at the default) only if the
+narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
 a gate that passed, and the report judges no goal without one. `--quick` (tiny shapes that test the harness in
 minutes; CI runs it) runs every stage whatever the gate says, and its report still counts no goal without a gate
 that passed.
@@ -116,36 +118,40 @@ def _unfinished(runs: dict) -> str:
 
 
 def gate_verdict(preflight, narrow, half, wide) -> dict:
-  """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, started, checks:
-  [(name, met, numbers)]}; a check whose runs are missing is not met; `started` is False when the finished narrow run
-  is under the plateau's floor, which fails the gate whatever its other runs show."""
-  checks = []
-  started = narrow is None or narrow["recall"] >= CHANCE + PLATEAU_FLOOR
+  """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
+  met, numbers)], lost}; a check whose runs are missing is not met; `lost` holds the numbers of the checks that
+  failed on finished runs, each of which fails the gate whatever the runs still missing show (a narrow run that
+  ended under the plateau's floor fails it without its half-steps run)."""
+  checks, lost = [], []
+
+  def check(name, met, numbers, decided=True):
+    checks.append((name, met, numbers))
+    if decided and not met:
+      lost.append(numbers)
   if preflight is None:
-    checks.append(("learnable", False, "no finished preflight"))
+    check("learnable", False, "no finished preflight", decided=False)
   else:
-    checks.append(("learnable", preflight["recall"] >= PREFLIGHT_RECALL,
-                   f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})"))
-  if not started:
-    numbers = (f"narrow recall {narrow['recall']:.3f} at all the steps, under the floor {CHANCE + PLATEAU_FLOOR:g}: "
-               "it has not started taking the facts up, whatever the half-steps run")
-    checks.append(("plateaued", False, numbers))
+    check("learnable", preflight["recall"] >= PREFLIGHT_RECALL,
+          f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})")
+  if narrow is not None and narrow["recall"] < CHANCE + PLATEAU_FLOOR:
+    check("plateaued", False, f"narrow recall {narrow['recall']:.3f} at all the steps, under the floor "
+          f"{CHANCE + PLATEAU_FLOOR:g}: it has not started taking the facts up, whatever the half-steps run")
   elif narrow is None or half is None:
-    checks.append(("plateaued", False, _unfinished({"narrow": narrow, "half-steps": half})))
+    check("plateaued", False, _unfinished({"narrow": narrow, "half-steps": half}), decided=False)
   else:
     rise = narrow["recall"] - half["recall"]
-    checks.append(("plateaued", rise <= PLATEAU_RISE,
-                   f"narrow recall {half['recall']:.3f} at half the steps, {narrow['recall']:.3f} at all of them: "
-                   f"{rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ {CHANCE + PLATEAU_FLOOR:g})"))
+    check("plateaued", rise <= PLATEAU_RISE, f"narrow recall {half['recall']:.3f} at half the steps, "
+          f"{narrow['recall']:.3f} at all of them: {rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ "
+          f"{CHANCE + PLATEAU_FLOOR:g})")
   if narrow is None or wide is None:
-    checks.append(("room", False, _unfinished({"narrow": narrow, "wide": wide})))
+    check("room", False, _unfinished({"narrow": narrow, "wide": wide}), decided=False)
   else:
     gap = wide["recall"] - narrow["recall"]
     z = gap / math.hypot(binomial_se(wide["recall"], wide["probes"]), binomial_se(narrow["recall"], narrow["probes"]))
-    checks.append(("room", gap >= GATE_GAP and z >= GATE_Z,
-                   f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {gap:+.3f}, {z:+.1f} "
-                   f"combined standard errors (needs ≥ {GATE_GAP:+g} and ≥ {GATE_Z:g})"))
-  return {"passed": all(met for _, met, _ in checks), "started": started, "checks": checks}
+    check("room", gap >= GATE_GAP and z >= GATE_Z,
+          f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {gap:+.3f}, {z:+.1f} combined "
+          f"standard errors (needs ≥ {GATE_GAP:+g} and ≥ {GATE_Z:g})")
+  return {"passed": all(met for _, met, _ in checks), "checks": checks, "lost": lost}
 
 
 def goal_verdict(memory, dense) -> dict:
@@ -321,8 +327,8 @@ def _num(value, digits=3) -> str:
 
 
 def runs_table(runs) -> list[str]:
-  lines = ["| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | recall, memory knocked out | "
-           "val CE | wall s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = [("| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | recall, memory knocked out | "
+            "val CE | wall s |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in runs:
     if r["status"] != "done":
       lines.append(f"| {r['run']} | | | | | {r['status']}: {r.get('note', '')} | | | | |")
@@ -338,9 +344,9 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
   verdict, the goal's, the wall times."""
   flag = " --quick" if size_name == "quick" else ""
   lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
-           f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) on "
-           "the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
-           "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed).", ""]
+           (f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) "
+            "on the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
+            "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed)."), ""]
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
             "gate": "Stage `gate`: narrow, narrow at half the steps, wide",
             "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",
@@ -362,11 +368,11 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
     verdict = ("**met**" if goal["met"] else "**not met**") if gate["passed"] else (
         "not counted: the gate did not pass, so the regime is not shown to be capacity-bound")
     m, d, k = goal["memory"], goal["dense"], goal["knockout"]
-    lines += [f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
-              f"{d[0]:.3f} ± {_num(d[1])} ({goal['dense_arm']}; mean ± standard error over {goal['n']} seeds and "
-              f"corpora): Welch's t {goal['t']:+.2f} ({goal['df']:.1f} degrees of freedom; needs ≥ {GOAL_T:g}). "
-              f"Its memory knocked out, it recalls {k[0]:.3f} ± {_num(k[1])}: the memory holds {_num(goal['held'])} "
-              f"of its recall above chance (needs ≥ {GOAL_HELD:g})."]
+    lines.append(f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
+                 f"{d[0]:.3f} ± {_num(d[1])} ({goal['dense_arm']}; mean ± standard error over {goal['n']} seeds and "
+                 f"corpora): Welch's t {goal['t']:+.2f} ({goal['df']:.1f} degrees of freedom; needs ≥ {GOAL_T:g}). "
+                 f"Its memory knocked out, it recalls {k[0]:.3f} ± {_num(k[1])}: the memory holds "
+                 f"{_num(goal['held'])} of its recall above chance (needs ≥ {GOAL_HELD:g}).")
   if refusal:
     lines += ["", f"Stopped: {refusal}"]
   lines += ["", "## Wall time", "", "| stage | runs (s, summed) | evaluations (s, summed) | this invocation (s) |",
@@ -401,11 +407,30 @@ def _goal(runs) -> dict | None:
   return {**goal_verdict(memory, dense), "arm": memory[0]["arm"], "dense_arm": dense[0]["arm"], "n": len(memory)}
 
 
+def _phases(spec, sweep, size, points) -> list[list]:
+  """The points of `sweep` in the order the gate can fail on them, each phase the points up to it: the gate's narrow
+  and half-steps runs (its plateau check), then all three (the wide run: the longest, and useless to train once the
+  plateau check has failed); any other sweep in one phase."""
+  if sweep != "gate":
+    return [points]
+  wide = _plan(spec, "gate", size)[2].name
+  return [[p for p in points if p.name != wide], points]
+
+
+def _gate_lost(out, spec, size) -> str | None:
+  """The refusal of the gate's next runs when the runs DIR holds have already failed it; None while it can pass."""
+  lost = _gate(spec, size, read_all(out, size))["lost"]
+  if not lost:
+    return None
+  return (f"stage gate stopped: {'; '.join(lost)}; the gate cannot pass, so its other runs are not trained (the "
+          "levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N)")
+
+
 def run(out, spec, quick, parallel, stages=STAGES) -> str:
   """Runs `stages` in order and writes DIR/capacity.md over every stage DIR holds; returns its text. A stage whose
   prerequisite is missing (arms and confirm: a gate that passed, unless quick; confirm: every arm finished) stops
-  the command with one line, after the report; so does a run that did not finish (the gate's plateau check, say,
-  can fail before its wide run ends)."""
+  the command with one line, after the report; so does the gate once its finished runs fail it (unless quick: each
+  phase of _phases is trained only while the gate can pass), and a run that did not finish."""
   from moc_jax.errors import UsageError
   from moc_jax.train.peaks import cpu_model
   unknown = sorted(set(stages) - set(STAGES))
@@ -425,10 +450,6 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
       refusal = (f"stage {stage} not run: the gate has not passed ({failed}); no memory result counts without it "
                  "(run --stages=preflight,gate first)")
       break
-    if stage == "gate" and not gate["started"] and not quick:
-      refusal = (f"stage gate stopped: {gate['checks'][1][2]}; the gate cannot pass, so its other runs are not "
-                 "trained (the onset is the lever: a longer curriculum or a ramp, more readings, a wider backbone)")
-      break
     t0 = time.time()
     for sweep in SWEEPS[stage]:
       try:
@@ -436,13 +457,20 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
       except UsageError as e:
         refusal = str(e)
         break
-      count = f"{len(todo)} run" + "s" * (len(todo) != 1)
-      print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]), sep="\n  ",
-            flush=True)
-      try:
-        runs[sweep] = _run_sweep(out, spec, sweep, todo, parallel, size)
-      except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
-        stopped = e
+      for i, points in enumerate(_phases(spec, sweep, size, todo)):
+        refusal = None if quick or sweep != "gate" else _gate_lost(out, spec, size)
+        if refusal:
+          break
+        if i == 0:
+          count = f"{len(todo)} run" + "s" * (len(todo) != 1)
+          print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]),
+                sep="\n  ", flush=True)
+        try:
+          runs[sweep] = _run_sweep(out, spec, sweep, points, parallel, size)
+        except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
+          stopped = e
+          break
+      if refusal or stopped:
         break
     if refusal or stopped:
       break

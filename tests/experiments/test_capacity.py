@@ -51,11 +51,21 @@ def test_the_gate_fails_each_way(preflight, narrow, half, wide, failed):
 
 def test_a_narrow_run_under_the_floor_fails_the_gate_without_its_other_runs():
   verdict = capacity.gate_verdict(score(0.97), score(0.249), None, None)
-  assert not verdict["passed"] and not verdict["started"]
-  assert verdict["checks"][1][2] == ("narrow recall 0.249 at all the steps, under the floor 0.35: it has not started "
-                                     "taking the facts up, whatever the half-steps run")
-  assert capacity.gate_verdict(score(0.97), score(0.35), None, None)["started"]
-  assert capacity.gate_verdict(score(0.97), None, None, None)["started"]  # not known yet
+  floor = ("narrow recall 0.249 at all the steps, under the floor 0.35: it has not started taking the facts up, "
+           "whatever the half-steps run")
+  assert not verdict["passed"] and verdict["checks"][1][2] == floor and verdict["lost"] == [floor]
+  assert capacity.gate_verdict(score(0.97), score(0.35), None, None)["lost"] == []
+  assert capacity.gate_verdict(score(0.97), None, None, None)["lost"] == []  # not known yet
+
+
+def test_a_check_its_finished_runs_fail_is_lost_whatever_the_missing_runs():
+  assert capacity.gate_verdict(score(0.60), None, None, None)["lost"] == ["preflight recall 0.600 (needs ≥ 0.9)"]
+  rising = capacity.gate_verdict(score(0.97), score(0.52), score(0.45), None)
+  assert rising["lost"] == [("narrow recall 0.450 at half the steps, 0.520 at all of them: +0.070 (needs ≤ +0.02, "
+                             "at ≥ 0.35)")]
+  assert capacity.gate_verdict(score(0.97), score(0.52), score(0.51), None)["lost"] == []
+  both = capacity.gate_verdict(score(0.60), score(0.52), score(0.51), score(0.53))
+  assert [text[:14] for text in both["lost"]] == ["preflight reca", "wide recall 0."]
 
 
 def test_the_gate_without_its_runs_does_not_pass():
@@ -92,8 +102,8 @@ def test_the_config_sizes_the_study_from_capacity():
   """The narrow backbone cannot hold the default corpus's facts at 1 bit per parameter; the wide one can; the memories
   are of one size; every biography fits its row whole; the iso-FLOP dense model is within 2% of the MoC arm's FLOPs."""
   from moc_jax import count_params, load_config
-  from moc_jax.flops import model_flops_per_token
   from moc_jax.data.facts import fact_bits
+  from moc_jax.flops import model_flops_per_token
   narrow, wide, moc = (load_config(f"configs/capacity.py:{n}") for n in ("dense", "wide", "moc"))
   bits = fact_bits(narrow.data.facts)["total"]
   embedding = lambda c: c.model.vocab_size * c.model.d_model
@@ -300,7 +310,7 @@ def test_a_bad_stage_is_refused_before_anything_runs(tmp_path):
 
 def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "experiments.capacity", f"--out={tmp_path}", "--stages=gat"],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True, check=False)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines() == [
       "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
@@ -364,31 +374,54 @@ def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
     capacity.run(out, SPEC, False, 1, stages=["arms"])
   assert trained == [] and "Stopped: stage arms not run" in (tmp_path / "capacity.md").read_text()
   recalls["dense-steps8"] = 0.40
-  with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .narrow recall 0.400"):
+  with pytest.raises(UsageError, match="stage gate stopped: narrow recall 0.400"):
     capacity.run(out, SPEC, False, 1, stages=["preflight", "gate", "arms"])
-  assert trained == GATE_RUNS
+  assert trained == GATE_RUNS[:3]
+  with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .narrow recall 0.400"):
+    capacity.run(out, SPEC, False, 1, stages=["arms"])
+  assert trained == GATE_RUNS[:3]
   with pytest.raises(UsageError, match="stage confirm not run: the gate has not passed"):
     capacity.run(out, SPEC, False, 1, stages=["confirm"])
 
 
 def test_a_gate_whose_narrow_run_ended_under_the_floor_trains_nothing_more(tmp_path, faked, monkeypatch):
-  """At the default size's rules: the narrow run finished at 0.26 (the half and wide runs stopped short); run again,
-  the stage stops with one line before training them, since no half or wide run can make the gate pass."""
+  """At the default size's rules: the narrow run finished at 0.26 (the half-steps run stopped short, so the wide one
+  did not start); run again, the stage stops with one line before training either, since no half or wide run can
+  make the gate pass."""
   trained, _, recalls = faked
   out = str(tmp_path)
   monkeypatch.setitem(capacity.SIZES, "default", QUICK)
   recalls["dense"] = 0.26
-  stopped = {"dense-steps8", WIDE}
   with monkeypatch.context() as m:
-    m.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails=stopped))
-    with pytest.raises(SystemExit):
+    m.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails={"dense-steps8"}))
+    with pytest.raises(SystemExit, match="gate finished 1 of 2 runs"):
       capacity.run(out, SPEC, False, 1, stages=["gate"])
-  assert set(trained) == {"dense", *stopped}
+  assert trained == ["dense", "dense-steps8"]
   del trained[:]
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor "
                                        r"0.35: .*the gate cannot pass, so its other runs are not trained"):
     capacity.run(out, SPEC, False, 1, stages=["gate"])
   assert trained == []
+
+
+def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, monkeypatch):
+  """At the default size's rules: a preflight under 0.9 stops the gate before its runs; one that learns lets the
+  narrow and half-steps runs train first, and their failed plateau check (+0.07) leaves the wide run untrained."""
+  trained, _, recalls = faked
+  monkeypatch.setitem(capacity.SIZES, "default", QUICK)
+  recalls.update({GATE_RUNS[0]: 0.6, "dense": 0.52, "dense-steps8": 0.45})
+  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name]))
+  with pytest.raises(UsageError, match=r"^stage gate stopped: preflight recall 0.600 \(needs ≥ 0.9\); the gate "
+                                       r"cannot pass, so its other runs are not trained \(the levers: "):
+    capacity.run(str(tmp_path), SPEC, False, 1, stages=["preflight", "gate"])
+  assert trained == GATE_RUNS[:1]
+  recalls[GATE_RUNS[0]] = 0.95
+  with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.450 at half the steps, 0.520 at all "
+                                       r"of them: \+0.070"):
+    capacity.run(str(tmp_path / "learns"), SPEC, False, 1, stages=["preflight", "gate"])
+  assert trained == GATE_RUNS[:1] + GATE_RUNS[:3]
+  text = (tmp_path / "learns" / "capacity.md").read_text()
+  assert "| room | **no** | no finished wide run |" in text and "Stopped: stage gate stopped: narrow recall" in text
 
 
 def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
@@ -413,7 +446,6 @@ def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
 
 
 def test_confirm_needs_every_arm(tmp_path, faked):
-  trained, _, _ = faked
   with pytest.raises(UsageError, match="stage confirm needs every arm of stage arms finished .0 of 2"):
     capacity.run(str(tmp_path), SPEC, True, 1, stages=["confirm"])
 
@@ -421,7 +453,7 @@ def test_confirm_needs_every_arm(tmp_path, faked):
 @pytest.mark.slow
 def test_quick_end_to_end(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "experiments.capacity", "--quick", f"--out={tmp_path}",
-                         "--parallel=1"], capture_output=True, text=True)
+                         "--parallel=1"], capture_output=True, text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   text = (tmp_path / "capacity.md").read_text()
   assert "## The gate" in text and "## The goal" in text and "## Wall time" in text
