@@ -44,8 +44,8 @@ beside two training runs: the preflight record's `step_ratio` command).
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
 costliest memory arm, every bank projection its routing computes included), and `pkm`, `hml` where the schema has
-`memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's
-`--config=configs/capacity.py:moc,bound`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
+`memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's default is
+`--config=configs/capacity.py:moc,bound,ramp=12800`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
 kept (the steps scale with N: `moc,bound,entities=2048` is half the `bound` study's steps at 0.89 bits of facts per
 narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
 `NAME,warm=N`: the first WARMUP_STEPS updates about N entities only instead of WARM_ENTITIES (`warm=0`: no

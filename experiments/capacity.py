@@ -1,5 +1,5 @@
 """`python -m experiments.capacity --out=DIR [--stages=preflight,gate,arms,confirm] [--quick] [--parallel=2]
-[--config=configs/capacity.py:moc,bound]`
+[--config=configs/capacity.py:moc,bound,ramp=12800]`
 
 Does a memory pay where the dense model runs out of room? configs/capacity.py sizes a store of facts against a
 backbone too small to hold them (its docstring holds the arithmetic); this command runs the study in four stages,
@@ -48,10 +48,12 @@ chance (means over seeds).
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. The default `--config`,
-`configs/capacity.py:moc,bound`, reads each entity 400 times, the readings at which the narrow backbone takes these
-facts up where it has room (its preflight recalls 1.000; at `configs/capacity.py:moc`'s 50 readings 0.772: the gate
-fails there by exposure; docs/results/2026-11-29-capacity-preflight.md); `moc,bound,entities=N` the same readings of
-N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command prints the
+`configs/capacity.py:moc,bound,ramp=12800`, reads each entity 400 times, the readings at which the narrow backbone
+takes these facts up where it has room (its preflight recalls 1.000; at `configs/capacity.py:moc`'s 50 readings
+0.772: the gate fails there by exposure; docs/results/2026-11-29-capacity-preflight.md), and meets the 4,096 entities
+a few more at a time over the quarter of the run after its curriculum, without which it stays at chance on all of
+them (docs/results/2026-11-29-capacity-gate-d64.md, 2026-11-29-capacity-gate-ramp.md); `moc,bound,entities=N` the
+same readings of N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command prints the
 corpus's bits of facts beside each model's parameters.
 """
 from __future__ import annotations
@@ -74,6 +76,7 @@ FLAGS = flags.FLAGS
 
 STAGES = ("preflight", "gate", "arms", "confirm")
 SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
+DEFAULT_CONFIG = "configs/capacity.py:moc,bound,ramp=12800"  # the module docstring says why
 CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
 PREFLIGHT_RECALL = 0.9
 PLATEAU_RISE, PLATEAU_FLOOR = 0.02, 0.1
@@ -84,14 +87,16 @@ GOAL_T, GOAL_HELD = 3.0, 0.5
 _VARIED = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
 RUN_KEYS = (*_VARIED, *(key for key, follows in IMPLIED.items() if follows in _VARIED and key not in _VARIED))
 # The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities (the first 16
-# documents about 2 of them), 4 rows a step, 16 steps, the first memory arm only (the stages treat every arm alike)
-# and two seeds in `confirm` (Welch's t needs two).
+# documents about 2 of them), 4 rows a step, 16 steps, no ramp after the curriculum (the default's would outgrow its 64
+# documents), the first memory arm only (the stages treat every arm alike) and two seeds in `confirm` (Welch's t
+# needs two).
 SIZES = {
     "default": {"shapes": {}, "seeds": (0, 1, 2)},
     "quick": {"shapes": {"data.facts.num_entities": 16, "data.facts.num_docs": 64, "data.facts.num_val_docs": 16,
                          "train.batch_size": 4, "train.steps": 16, "train.warmup_steps": 1, "train.eval_every": 4,
                          "train.checkpoint_every": 8, "train.log_every": 4, "train.num_probes": 32,
-                         "train.eval_batches": 1, "data.facts.warmup_entities": 2, "data.facts.warmup_docs": 16},
+                         "train.eval_batches": 1, "data.facts.warmup_entities": 2, "data.facts.warmup_docs": 16,
+                         "data.facts.ramp_docs": 0},
               "seeds": (0, 1), "memory_arms": 1},
 }
 
@@ -100,7 +105,7 @@ def define_flags():
   """This command's flags (defined only when it runs: other entry points define their own)."""
   harness.define_flags("capacity", "preflight/, gate/, lr/, arms/, confirm/, capacity.md",
                        "preflight, gate, lr, arms and confirm define the runs")
-  FLAGS.set_default("config", "configs/capacity.py:moc,bound")
+  FLAGS.set_default("config", DEFAULT_CONFIG)
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of preflight, gate, arms, confirm; the others are "
                     "reported from what DIR holds of them.")
 

@@ -245,6 +245,16 @@ def test_the_sweeps():
   assert (confirm[0].config.seed, confirm[0].config.data.facts.seed) == (1, 2)
 
 
+def test_every_quick_run_of_the_default_study_has_a_corpus_its_shapes_can_build():
+  """The quick size replaces the corpus's sizes with its own, the default's ramp included (409,600 documents would
+  outgrow its 64): CI's `--quick` run trains the default config's stages on corpora moc_facts accepts."""
+  from moc_jax.data.facts import fact_bits
+  for stage in capacity.STAGES:
+    for sweep in capacity.SWEEPS[stage]:
+      for p in capacity._plan(capacity.DEFAULT_CONFIG, sweep, QUICK):
+        assert fact_bits(p.config.data.facts)["entities"] <= 16, p.name
+
+
 # ---- the stage logic, with training faked -------------------------------------------------------------------
 
 def _fake_training(trained, recall, fails=()):
