@@ -37,10 +37,10 @@ The gate (gate_verdict) passes when all three hold:
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
 0.9; the narrow and half-steps runs first, and the wide run (the longest, about 6 h at the default) only if the
-narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
-a gate that passed, and the report judges no goal without one. `--quick` (tiny shapes that test the harness in
-minutes; CI runs it) runs every stage whatever the gate says, and its report still counts no goal without a gate
-that passed.
+narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and
+confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
+without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
+says, and its report still counts no goal without a gate that passed.
 
 The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model on recall with Welch's t of at
 least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its recall above
@@ -53,8 +53,8 @@ takes these facts up where it has room (its preflight recalls 1.000; at `configs
 0.772: the gate fails there by exposure; docs/results/2026-11-29-capacity-preflight.md), and meets the 4,096 entities
 a few more at a time over the quarter of the run after its curriculum, without which it stays at chance on all of
 them (docs/results/2026-11-29-capacity-gate-d64.md, 2026-11-29-capacity-gate-ramp.md); `moc,bound,entities=N` the
-same readings of N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command prints the
-corpus's bits of facts beside each model's parameters.
+same readings of N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command
+prints the corpus's bits of facts beside each model's parameters.
 """
 from __future__ import annotations
 
@@ -272,16 +272,14 @@ def sweep_points(spec, sweep, size, runs) -> list:
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
 
 
-def _run_sweep(out, spec, sweep, points, parallel, size) -> list[dict]:
+def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
   """Trains `points` in DIR/<sweep> to completion, evaluates those with memory with it knocked out, collects the
-  sweep's tables and plots the learning curves; returns what DIR/<sweep> then holds (read_runs)."""
+  sweep's tables and plots the learning curves of what DIR/<sweep> then holds."""
   sweep_dir = os.path.join(out, sweep)
   run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
   evaluate_runs([(os.path.join(sweep_dir, p.name), True) for p in points if is_moc(p.config)], parallel, "capacity")
   report.collect(sweep_dir)
-  runs = read_runs(out, sweep, size)
-  plot_curves(runs, os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
-  return runs
+  plot_curves(read_runs(out, sweep, size), os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
 
 
 def capacity_lines(points, shapes) -> list[str]:
@@ -431,6 +429,17 @@ def _gate_lost(out, spec, size) -> str | None:
           "levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N)")
 
 
+def _train_phases(out, spec, sweep, points, parallel, size, quick) -> str | None:
+  """Trains `points` phase by phase (_phases), the gate's next phase only while its finished runs leave it able to
+  pass (always when quick); returns the refusal that stopped it, None when every point was trained."""
+  for phase in _phases(spec, sweep, size, points):
+    refusal = None if quick or sweep != "gate" else _gate_lost(out, spec, size)
+    if refusal:
+      return refusal
+    _run_sweep(out, spec, sweep, phase, parallel, size)
+  return None
+
+
 def run(out, spec, quick, parallel, stages=STAGES) -> str:
   """Runs `stages` in order and writes DIR/capacity.md over every stage DIR holds; returns its text. A stage whose
   prerequisite is missing (arms and confirm: a gate that passed, unless quick; confirm: every arm finished) stops
@@ -462,21 +471,16 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
       except UsageError as e:
         refusal = str(e)
         break
-      for i, points in enumerate(_phases(spec, sweep, size, todo)):
-        refusal = None if quick or sweep != "gate" else _gate_lost(out, spec, size)
-        if refusal:
-          break
-        if i == 0:
-          count = f"{len(todo)} run" + "s" * (len(todo) != 1)
-          print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]),
-                sep="\n  ", flush=True)
-        try:
-          runs[sweep] = _run_sweep(out, spec, sweep, points, parallel, size)
-        except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
-          stopped = e
-          break
+      count = f"{len(todo)} run" + "s" * (len(todo) != 1)
+      print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]), sep="\n  ",
+            flush=True)
+      try:
+        refusal = _train_phases(out, spec, sweep, todo, parallel, size, quick)
+      except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
+        stopped = e
       if refusal or stopped:
         break
+      runs[sweep] = read_runs(out, sweep, size)  # the next sweep of the stage reads it (arms: the lr runs)
     if refusal or stopped:
       break
     wall[stage] = time.time() - t0

@@ -125,8 +125,10 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.data.facts.num_docs == 4096 * 400 == 8 * default.data.facts.num_docs
   assert bound.data.facts.num_entities == default.data.facts.num_entities
   assert bound.train.steps == 8 * default.train.steps == 51_200 and bound.train.warmup_steps == 1600
-  assert (bound.train.eval_every, bound.train.checkpoint_every) == (12_800, 3200) and bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N`, `warm=N` and `ramp=N`"):
+  assert (bound.train.eval_every, bound.train.checkpoint_every) == (12_800, 3200)
+  assert bound.name == "capacity-dense-bound"
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N`, "
+                                       "`warm=N` and `ramp=N`"):
     load_config("configs/capacity.py:moc,huge")
 
 
