@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 from jax.experimental.compute_on import compute_on
 
+from moc_jax.config.plan import decay_start_step
 from moc_jax.config.schema import BANK_OPTIMIZERS
 from moc_jax.errors import ConfigError
 from moc_jax.model.build import param_groups
@@ -51,18 +52,6 @@ def schedule_multiplier(t) -> callable:
     s = jnp.asarray(s, jnp.float32)
     return jnp.where(s < warmup, s / max(warmup, 1), jnp.where(s < decay_start, 1.0, decay(s)))
   return multiplier
-
-
-def decay_start_step(t) -> int:
-  """MoC-PT's rule for wsd, cosine and linear alike: decay_start_step wins over decay_start_ratio; without
-  either the decay starts at W (no hold); the result is clamped to [W, steps]."""
-  if t.decay_start_step is not None:
-    start = t.decay_start_step
-  elif t.decay_start_ratio is not None:
-    start = int(t.steps * t.decay_start_ratio)
-  else:
-    start = t.warmup_steps
-  return max(t.warmup_steps, min(start, t.steps))
 
 
 def group_lrs(t) -> dict[str, float]:

@@ -177,3 +177,28 @@ def layer_plan(c) -> LayerPlan:
         return unrolled
       return LayerPlan(period, L // period, offsets, True)
   return unrolled
+
+def decay_start_step(t) -> int:
+  """MoC-PT's rule for wsd, cosine and linear alike: decay_start_step wins over decay_start_ratio; without
+  either the decay starts at W (no hold); the result is clamped to [W, steps]."""
+  if t.decay_start_step is not None:
+    start = t.decay_start_step
+  elif t.decay_start_ratio is not None:
+    start = int(t.steps * t.decay_start_ratio)
+  else:
+    start = t.warmup_steps
+  return max(t.warmup_steps, min(start, t.steps))
+
+
+def shorter_run(train, steps):
+  """config.train of the run of `steps` updates with this run's schedule, the same in all but train.steps: up to its
+  decay start it is, update for update, the start of this run (moc_jax/train/cooldown.py)."""
+  out = train.copy_and_resolve_references()
+  out.steps = steps
+  return out
+
+
+def cooldown_branches(train) -> dict[int, int]:
+  """{the update after which each of train.cooldowns branches off: the update its decay ends at}."""
+  runs = (shorter_run(train, round(f * train.steps)) for f in train.cooldowns)
+  return {decay_start_step(s): s.steps for s in runs}

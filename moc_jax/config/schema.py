@@ -182,6 +182,9 @@ def base_config():
   t.decay_start_step = config_dict.placeholder(int)
   t.decay_start_ratio = config_dict.placeholder(float)
   t.min_lr_ratio = 0.1
+  # fractions of train.steps: at each, the run as a run that long would end (its decay from where that run's starts)
+  # is evaluated as a branch, and the run goes on unchanged (moc_jax/train/cooldown.py); () -> none
+  t.cooldowns = ()
   t.log_every = 10
   t.eval_every = 100
   t.eval_batches = config_dict.placeholder(int)  # None -> the whole validation split

@@ -9,8 +9,8 @@ import collections
 
 import jax
 
-from moc_jax.config.plan import (bank_ids, bank_shape, base_tables, layer_plan, memory_layers, router_factors,
-                                 subtree_chapters)
+from moc_jax.config.plan import (bank_ids, bank_shape, base_tables, decay_start_step, layer_plan, memory_layers,
+                                 router_factors, shorter_run, subtree_chapters)
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_RULES, BANK_STATE_MEMORY, CHAT_FORMATS,
                                    DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS, LOAD_BALANCES, MEMORY_KINDS,
                                    PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS, ROUTING_POOLS, ROUTINGS,
@@ -281,6 +281,7 @@ def _validate_train(c):
           "decay", "set it <= train.steps (shortening a run: scale both), or use train.decay_start_ratio")
   if t.decay_start_ratio is not None and not 0 <= t.decay_start_ratio <= 1:
     _fail("train.decay_start_ratio", f"{t.decay_start_ratio} is outside [0, 1]", "use a fraction of train.steps")
+  _validate_cooldowns(t)
   for f in ("b1", "b2"):
     if not 0 <= t[f] < 1:
       _fail(f"train.{f}", f"Adam beta must be in [0, 1), got {t[f]}", "e.g. 0.9 / 0.95")
@@ -289,6 +290,30 @@ def _validate_train(c):
   if (t.batch_size * t.grad_accum) % jax.process_count():
     _fail("train.batch_size", f"{t.batch_size}*{t.grad_accum} is not divisible by {jax.process_count()} processes",
           "use a global batch divisible by the process count")
+
+
+def _validate_cooldowns(t):
+  """Each of train.cooldowns is a shorter run with a decay of its own, starting after at least one update; two that
+  branch at the same update would be one."""
+  if not isinstance(t.cooldowns, (tuple, list)):
+    _fail("train.cooldowns", f"{t.cooldowns!r} is not a tuple", "give fractions of train.steps, e.g. (0.25, 0.5)")
+  if t.cooldowns and t.schedule not in DECAYING_SCHEDULES:
+    _fail("train.cooldowns", f"set with train.schedule={t.schedule!r}, which never decays",
+          f"use one of {list(DECAYING_SCHEDULES)}, or train.cooldowns=()")
+  starts = set()
+  for f in t.cooldowns:
+    if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f < 1:
+      _fail("train.cooldowns", f"{f!r} is not a fraction of train.steps in (0, 1)", "e.g. (0.25, 0.5)")
+    s = shorter_run(t, round(f * t.steps))
+    start = decay_start_step(s)
+    if not 1 <= start < s.steps:
+      _fail("train.cooldowns", f"{f:g} of train.steps is a run of {s.steps} steps whose decay would start at step "
+            f"{start}: it has no decay after an update", "give a larger fraction, or a decay start within it "
+            "(train.decay_start_ratio)")
+    if start in starts:
+      _fail("train.cooldowns", f"two of {tuple(t.cooldowns)} start their decay at step {start}",
+            "give each fraction once, further apart")
+    starts.add(start)
 
 
 def _validate_bank_optimizer(c):

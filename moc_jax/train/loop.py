@@ -26,7 +26,7 @@ from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax.errors import CheckpointError, ConfigError, CorruptCheckpointError, TrainingError
 from moc_jax.model.build import count_params, warn_if_not_causal
 from moc_jax.state import build_state, micro_batch_config
-from moc_jax.train import peaks
+from moc_jax.train import cooldown, peaks
 from moc_jax.train.metrics import MetricsWriter, RouterWindow
 from moc_jax.train.step import jit_train_step
 from moc_jax.train.workdir_lock import workdir_lock
@@ -133,19 +133,40 @@ def _train(config, workdir, mesh, make_evaluator):
   batch_sharding = sharding.data_sharding(config, mesh)
   train_step = jit_train_step(graphdef, tx, config, shardings, batch_sharding, idf)
   evaluator = make_evaluator(config, graphdef, shardings["params"], batch_sharding)
+  branches = cooldown.Branches(config, layout, batch_sharding, idf, checkpointer, data_iter, evaluator, writer)
   preempt = _Preemption()
+  missed = branches.missed(start)
+  if missed:
+    log.warning("moc_jax: train.cooldowns: the run resumed at step %d, past the start of the cool-downs from steps %s, "
+                "which have no result: they are not trained (in a new --workdir they would be)", start, missed)
   if start == 0:  # the untrained baseline anchors the curves
     writer.write({"step": 0, "split": "validation", **evaluator(state["params"])})
   window = {"t0": time.time(), "wait": 0.0, "steps": 0, "malformed": 0}
+
+  def next_batch(count=True):  # a cool-down's batches are read again by the run after it: not counted twice
+    host_batch = next(data_iter)
+    malformed = int(np.sum(host_batch.pop("n_malformed", 0)))
+    window["malformed"] += malformed if count else 0
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in host_batch.items()}
   router = RouterWindow(config)
   last, pending = {}, None
+
+  def cool_down(step, saved):
+    """The cool-down off `step`, if one is due (moc_jax/train/cooldown.py): (the state to go on from, whether to
+    stop). A signal stops a branch at once in one process; with several, `requested` changes only at the run's own
+    steps' agreed points (_Preemption.check), so the branch ends first and the run stops at its next step."""
+    out = branches.off(step, state, lambda: next_batch(count=False), saved, lambda: preempt.requested)
+    window.update(t0=time.time(), wait=0.0, steps=0)
+    return out
   try:
-    for step in range(start + 1, t.steps + 1):
+    # a run stopped during the cool-down off the step it resumes at trains it now
+    state, stop = cool_down(start, saved=True) if start else (state, False)
+    if stop:
+      _stopped(preempt, checkpointer, start)
+    for step in range(start + 1, (start if stop else t.steps) + 1):
       t_wait = time.time()
-      host_batch = next(data_iter)
+      batch = next_batch()
       window["wait"] += time.time() - t_wait
-      window["malformed"] += int(np.sum(host_batch.pop("n_malformed", 0)))
-      batch = {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in host_batch.items()}
       state, metrics = train_step(state, batch)
       window["steps"] += 1
       router.add(metrics)
@@ -162,10 +183,10 @@ def _train(config, workdir, mesh, make_evaluator):
       if step % t.checkpoint_every == 0 or step == t.steps or stop:
         checkpointer.save(step, state, data_iter)
         window.update(t0=time.time(), wait=0.0, steps=0)
+      if not stop:
+        state, stop = cool_down(step, saved=step % t.checkpoint_every == 0)
       if stop:
-        checkpointer.wait()
-        log.warning("moc_jax: %s — checkpoint saved at step %d; re-run the same command to resume", preempt.name,
-                    step)
+        _stopped(preempt, checkpointer, step)
         break
     if pending is not None:
       _check_nonfinite(*pending, t.max_nonfinite)
@@ -174,6 +195,11 @@ def _train(config, workdir, mesh, make_evaluator):
     checkpointer.close()
     writer.close()
   return last
+
+
+def _stopped(preempt, checkpointer, step):
+  checkpointer.wait()
+  log.warning("moc_jax: %s — checkpoint saved at step %d; re-run the same command to resume", preempt.name, step)
 
 
 def _resume(checkpointer, abstract_state, data_iter):

@@ -68,24 +68,31 @@ class MetricsWriter:
             f"data_wait={row['data_wait_frac']:.3f} eta={eta:.0f}s", flush=True)
 
   def plot(self) -> None:
-    """Redraws loss.png: train CE and loss, validation CE (and fact recall when measured)."""
+    """Redraws loss.png: train CE and loss, validation CE (and fact recall when measured); the cool-downs'
+    (train.cooldowns) as stars where their decays ended."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     train = [r for r in self.rows if "split" not in r]
     val = [r for r in self.rows if r.get("split") == "validation"]
     recall = [r for r in val if "probe_acc" in r]
+    cooled = [r for r in self.rows if r.get("split") == "cooldown"]
     health = sorted(k[len("router_used_frac_"):] for k in (train[-1] if train else {}) if k.startswith("router_used_frac_"))
     panels = 1 + bool(recall) + bool(health)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     ax = axes[0, 0]
     ax.plot([r["step"] for r in train], [r["ce"] for r in train], label="train CE", alpha=0.7)
     ax.plot([r["step"] for r in val], [r["ce"] for r in val], "o-", label="validation CE")
+    if cooled:
+      ax.plot([r["cooldown_end"] for r in cooled], [r["ce"] for r in cooled], "*", ms=10, label="validation CE, cooled")
     ax.set_xlabel("step"), ax.set_ylabel("cross-entropy (nats/token)"), ax.legend(), ax.grid(alpha=0.3)
     if recall:
       ax = axes[0, 1]
       ax.plot([r["step"] for r in recall], [r["probe_acc"] for r in recall], "o-", label="fact recall (choice)")
       ax.plot([r["step"] for r in recall], [r["probe_exact"] for r in recall], "s-", label="greedy exact match")
+      if cooled:
+        ax.plot([r["cooldown_end"] for r in cooled], [r["probe_acc"] for r in cooled], "*", ms=10,
+                label="fact recall, cooled")
       ax.axhline(recall[-1]["probe_chance"], ls="--", c="gray", label="chance")
       ax.set_xlabel("step"), ax.set_ylabel("accuracy"), ax.set_ylim(0, 1), ax.legend(), ax.grid(alpha=0.3)
     if health:
