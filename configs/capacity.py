@@ -30,13 +30,15 @@ Time. A run is one pass: 204,800 documents, 6,400 steps of 32 rows = 39.3M row s
 sized on, a narrow step took 0.2 s alone and 0.28 s beside another run (two runs at once share the cores, no faster
 together): 0.36 h a run alone. The others relative to it, measured (docs/results/2026-11-29-capacity-step-cost.md,
 ±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
-1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1 + 0.5 + 2.2 = 3.7; arms, the lr
+1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1.1 (the narrow run and its
+cool-down at half its steps) + 2.2 = 3.3; arms, the lr
 sweep 3 rates x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
 runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour; but its preflight
 recalls 0.772 of the 0.9 the gate needs: 50 readings do not teach the backbone even 256 entities. At the readings
 that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recalls 1.000; both in
-docs/results/2026-11-29-capacity-preflight.md) the study, `python -m experiments.capacity`'s default, is about 115 h
-on this CPU, over the 8 h it was meant to fit, its gate about 10.6 h (preflight 0.2, narrow 2.8, half 1.4, wide 6.2),
+docs/results/2026-11-29-capacity-preflight.md) the study, `python -m experiments.capacity`'s default, is about 114 h
+on this CPU, over the 8 h it was meant to fit, its gate about 9.5 h (preflight 0.2, narrow 2.8 and its cool-down 0.3,
+wide 6.2),
 run in parts: each run resumes from its last of CHECKPOINTS checkpoints. Rows per update do not buy speed here: a
 step of 32, 64 or 128 rows costs about the same per row (11.9 to 12.2 ms for the narrow backbone, 25 to 29 for MoC,
 beside two training runs: the preflight record's `step_ratio` command).
@@ -73,6 +75,9 @@ PREFLIGHT_ENTITIES = 256
 # language models learn facts?"): docs/results/2026-11-28-capacity-curriculum.md.
 WARMUP_STEPS = 800
 WARM_ENTITIES = 64
+# The gate's plateau check: the narrow run's recall against that of the run of this share of its steps, measured in
+# the same run (train.cooldowns: its decay costs a tenth of the narrow run, where a run of its own cost half).
+GATE_COOLDOWN = 0.5
 LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
 LR_STEPS = 0.25             # ... trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
@@ -142,7 +147,7 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0
 
 def _schedule(steps) -> dict:
   """A run of `steps` updates, its warm-up, evaluations (the learning curve) and checkpoints in proportion: a shorter
-  run of a sweep (the gate's half, the `lr` sweep's quarter, the preflight) has a schedule of its own, not the full
+  run of a sweep (the `lr` sweep's quarter, the preflight) has a schedule of its own, not the full
   run's cut short."""
   return {"train.steps": steps, "train.warmup_steps": max(1, steps // 32), "train.eval_every": max(1, steps // EVALS),
           "train.checkpoint_every": max(1, steps // CHECKPOINTS)}
@@ -205,9 +210,9 @@ def _lr(c, arm) -> list[dict]:
 
 
 def _gate(c):
-  """The narrow backbone, the same with half the steps (its own schedule: does doubling the exposures still add
-  recall?), and the backbone at twice the width."""
-  return [NO_MEMORY, {**NO_MEMORY, **_shorter(c, c.train.steps // 2)}, {**NO_MEMORY, **WIDE}]
+  """The narrow backbone, evaluated also as the run of half its steps would have ended (its cool-down there: does
+  doubling the exposures still add recall?), and the backbone at twice the width."""
+  return [{**NO_MEMORY, "train.cooldowns": (GATE_COOLDOWN,)}, {**NO_MEMORY, **WIDE}]
 
 
 def _lr_sweep(c):
@@ -264,7 +269,7 @@ def _count(mods, key, default, least) -> int:
 
 def _readings(mods) -> int:
   """The readings of each entity: DOCS_PER_ENTITY, BOUND_DOCS_PER_ENTITY with `bound`, or N with `readings=N` (the
-  gate at `readings=800` asks whether 800 readings hold more than its half-steps run's 400)."""
+  gate at `readings=800` asks whether 800 readings hold more than its cool-down at half the steps, 400)."""
   if "bound" in mods and any(m.startswith("readings=") for m in mods):
     raise ValueError("config modifiers: give `bound` (400 readings per entity) or `readings=N`, not both")
   return _count(mods, "readings", BOUND_DOCS_PER_ENTITY if "bound" in mods else DOCS_PER_ENTITY, 1)

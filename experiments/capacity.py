@@ -9,8 +9,8 @@ finished run is never trained again, an interrupted one resumes from its checkpo
   preflight  the narrow backbone on PREFLIGHT_ENTITIES = 256 entities (a sixteenth of the default's; an eighth of
              fewer), each read as often as in the study (its curriculum, then the same readings): do these readings
              teach it these facts where it has room to spare?
-  gate       the narrow backbone, the same with half the steps, and the backbone at twice its width, one seed: is the
-             regime capacity-bound?
+  gate       the narrow backbone (and, inside its run, as the run of half its steps would have ended: its cool-down,
+             train.cooldowns) and the backbone at twice its width, one seed: is the regime capacity-bound?
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
              for a quarter of the steps (DIR/lr/), then each arm at the rate with the best recall (DIR/arms/)
   confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
@@ -25,10 +25,13 @@ chapter, or every value slot, zeroed).
 The gate (gate_verdict) passes when all three hold:
   learnable      the preflight's recall is at least PREFLIGHT_RECALL = 0.9: the narrow backbone learns these facts
                  from these readings when there are few of them (so the readings are not what bounds it);
-  plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE = 0.02 from the run with half the steps to
-                 the full run: twice the exposures no longer buy recall. Each is a run of its own, warm-up and decay
-                 included; within one run, recall stalls at a constant learning rate and jumps during the decay
-                 whatever bounds it (docs/results/2026-11-26-smaller-backbone.md). And the plateau is at least
+  plateaued      the narrow backbone's recall rose by at most PLATEAU_RISE = 0.02 from the run of half the steps to
+                 the full run: twice the exposures no longer buy recall. Both are decayed: the shorter run is the
+                 narrow run's cool-down at half its steps (the run up to its decay start, then its decay: bit for bit
+                 the shorter run trained alone, for a tenth of the narrow run's steps); within one run, recall stalls
+                 at a constant learning rate and jumps during the decay whatever bounds it
+                 (docs/results/2026-11-26-smaller-backbone.md), so a run's own evaluations would not do. And the
+                 plateau is at least
                  PLATEAU_FLOOR = 0.1 above chance: a backbone that holds nothing has not filled up, it has not
                  started (a model at 1 bit per parameter would hold half the default's facts);
   room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
@@ -36,8 +39,8 @@ The gate (gate_verdict) passes when all three hold:
                  plateau is below the facts it saw.
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
-0.9; the narrow and half-steps runs first, and the wide run (the longest, about 6 h at the default) only if the
-narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and
+0.9; the narrow run first, and the wide run (the longest, about 6 h at the default) only if the narrow one ended at
+or over the floor and had plateaued. No memory result counts without the gate: stages arms and
 confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
 without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
 says, and its report still counts no goal without a gate that passed.
@@ -126,7 +129,8 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
   """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
   met, numbers)], lost}; a check whose runs are missing is not met; `lost` holds the numbers of the checks that
   failed on finished runs, each of which fails the gate whatever the runs still missing show (a narrow run that
-  ended under the plateau's floor fails it without its half-steps run)."""
+  ended under the plateau's floor fails it whatever its recall at half the steps). `half` is the narrow run's
+  cool-down at half its steps."""
   checks, lost = [], []
 
   def check(name, met, numbers, decided=True):
@@ -140,9 +144,11 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
           f"preflight recall {preflight['recall']:.3f} (needs ≥ {PREFLIGHT_RECALL:g})")
   if narrow is not None and narrow["recall"] < CHANCE + PLATEAU_FLOOR:
     check("plateaued", False, f"narrow recall {narrow['recall']:.3f} at all the steps, under the floor "
-          f"{CHANCE + PLATEAU_FLOOR:g}: it has not started taking the facts up, whatever the half-steps run")
-  elif narrow is None or half is None:
-    check("plateaued", False, _unfinished({"narrow": narrow, "half-steps": half}), decided=False)
+          f"{CHANCE + PLATEAU_FLOOR:g}: it has not started taking the facts up, whatever it recalled at half the steps")
+  elif narrow is None:
+    check("plateaued", False, _unfinished({"narrow": narrow}), decided=False)
+  elif half is None:
+    check("plateaued", False, "the narrow run has no cool-down at half its steps (train.cooldowns)", decided=False)
   else:
     rise = narrow["recall"] - half["recall"]
     check("plateaued", rise <= PLATEAU_RISE, f"narrow recall {half['recall']:.3f} at half the steps, "
@@ -193,8 +199,10 @@ def _plan(spec, sweep, size):
 def read_runs(out, sweep, size) -> list[dict] | None:
   """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
   (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated), `curve`
-  [(training tokens, recall, exact match)] and `eval_s`; None when DIR has no such sweep."""
+  [(training tokens, recall, exact match)], `cooled` {the step a cool-down ended at: {recall, probes, exact_match,
+  val_ce, tokens}} and `eval_s`; None when DIR has no such sweep."""
   from moc_jax.config import load_run_config
+  from moc_jax.train.cooldown import SPLIT
   sweep_dir = os.path.join(out, sweep)
   if not os.path.exists(os.path.join(sweep_dir, MANIFEST)):
     return None
@@ -204,11 +212,15 @@ def read_runs(out, sweep, size) -> list[dict] | None:
     if row["status"] == "done":
       config = load_run_config(row["workdir"])
       per_step = config.train.batch_size * config.train.grad_accum * config.data.seq_len
-      final = final_eval(row["workdir"], config.train.steps)
+      final, metrics = final_eval(row["workdir"], config.train.steps), read_metrics(row["workdir"])
       run.update(lr=config.train.base_lr, probes=final.get("num_probes", 0), recall=row["fact_recall"],
                  knockout=row.get("recall_without_bank"), memory=is_moc(config),
-                 curve=[(r["step"] * per_step, r["probe_acc"], r["probe_exact"]) for r in read_metrics(row["workdir"])
-                        if r.get("split") == "validation" and "probe_acc" in r])
+                 curve=[(r["step"] * per_step, r["probe_acc"], r["probe_exact"]) for r in metrics
+                        if r.get("split") == "validation" and "probe_acc" in r],
+                 cooled={r["cooldown_end"]: {"recall": r["probe_acc"], "probes": r.get("num_probes", 0),
+                                             "exact_match": r["probe_exact"], "val_ce": r["ce"],
+                                             "tokens": r["cooldown_end"] * per_step}
+                         for r in metrics if r.get("split") == SPLIT and "probe_acc" in r})
       run["recall_se"] = binomial_se(run["recall"], run["probes"])
     runs.append(run)
   return runs
@@ -305,7 +317,8 @@ def capacity_lines(points, shapes) -> list[str]:
 # ---- the report ------------------------------------------------------------------------------------------
 
 def plot_curves(runs, path, title) -> None:
-  """Recall (solid) and exact match (dotted) against training tokens, one colour per run."""
+  """Recall (solid) and exact match (dotted) against training tokens, one colour per run; its cool-downs' recall as
+  stars where they ended."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -317,8 +330,11 @@ def plot_curves(runs, path, title) -> None:
     tokens, recall, exact = zip(*r["curve"])
     line = ax.plot(tokens, recall, "o-", ms=3, label=r["run"])[0]
     ax.plot(tokens, exact, ":", color=line.get_color())
+    cooled = sorted(r["cooled"].values(), key=lambda c: c["tokens"])
+    ax.plot([c["tokens"] for c in cooled], [c["recall"] for c in cooled], "*", ms=10, color=line.get_color())
   ax.axhline(CHANCE, color="grey", lw=0.8, ls="--")
-  ax.set_xlabel("training tokens (row slots)"), ax.set_ylabel("fact recall (solid), exact match (dotted)")
+  ax.set_xlabel("training tokens (row slots)")
+  ax.set_ylabel("fact recall (solid; cooled down: stars), exact match (dotted)", fontsize=8)
   ax.set_title(title), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
@@ -339,6 +355,9 @@ def runs_table(runs) -> list[str]:
     lines.append(f"| {r['run']} | {r['lr']:g} | {r['steps']:,} | {r['tokens']:,} | {r['flops_per_token']:,.0f} | "
                  f"{r['recall']:.3f} ± {r['recall_se']:.3f} | {r['exact_match']:.3f} | {_num(r['knockout'])} | "
                  f"{r['val_ce']:.4f} | {r['wall_s']:,.0f} |")
+    for end, c in sorted(r["cooled"].items()):
+      lines.append(f"| {r['run']}, cooled down at step {end:,} | | {end:,} | {c['tokens']:,} | | {c['recall']:.3f} ± "
+                   f"{binomial_se(c['recall'], c['probes']):.3f} | {c['exact_match']:.3f} | | {c['val_ce']:.4f} | |")
   return lines
 
 
@@ -351,7 +370,7 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
             "on the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
             "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed)."), ""]
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
-            "gate": "Stage `gate`: narrow, narrow at half the steps, wide",
+            "gate": "Stage `gate`: narrow (and its cool-down at half the steps), wide",
             "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",
             "arms": "Stage `arms`: every arm at its rate", "confirm": "Stage `confirm`: one run per seed and corpus"}
   for stage in STAGES:
@@ -396,8 +415,10 @@ def _gate(spec, size, runs) -> dict:
     r = _by_name(runs.get(sweep), name)
     return None if r is None else {"recall": r["recall"], "probes": r["probes"]}
   preflight = _plan(spec, "preflight", size)[0].name
-  narrow, half, wide = (p.name for p in _plan(spec, "gate", size))
-  return gate_verdict(score("preflight", preflight), score("gate", narrow), score("gate", half), score("gate", wide))
+  narrow, wide = (p.name for p in _plan(spec, "gate", size))
+  run = _by_name(runs.get("gate"), narrow)
+  half = None if run is None else run["cooled"].get(round(run["steps"] / 2))
+  return gate_verdict(score("preflight", preflight), score("gate", narrow), half, score("gate", wide))
 
 
 def _goal(runs) -> dict | None:
@@ -412,11 +433,11 @@ def _goal(runs) -> dict | None:
 
 def _phases(spec, sweep, size, points) -> list[list]:
   """The points of `sweep` in the order the gate can fail on them, each phase the points up to it: the gate's narrow
-  and half-steps runs (its plateau check), then all three (the wide run: the longest, and useless to train once the
+  run (its plateau check, with its cool-down), then both (the wide run: the longest, and useless to train once the
   plateau check has failed); any other sweep in one phase."""
   if sweep != "gate":
     return [points]
-  wide = _plan(spec, "gate", size)[2].name
+  wide = _plan(spec, "gate", size)[1].name
   return [[p for p in points if p.name != wide], points]
 
 

@@ -15,6 +15,8 @@ from experiments.sweeps import launch, report
 from moc_jax.errors import UsageError
 
 SPEC = "configs/capacity.py:moc"
+NARROW = "dense-cooldowns0.5"
+HALF = f"{NARROW}@8"  # its cool-down at half the quick size's 16 steps (the fake below names it so)
 WIDE = "dense-d_model128-num_heads8-num_kv_heads4-mlp384-base_lr0.0025-memory_lr0.0025"
 QUICK = capacity.SIZES["quick"]
 
@@ -52,7 +54,7 @@ def test_the_gate_fails_each_way(preflight, narrow, half, wide, failed):
 def test_a_narrow_run_under_the_floor_fails_the_gate_without_its_other_runs():
   verdict = capacity.gate_verdict(score(0.97), score(0.249), None, None)
   floor = ("narrow recall 0.249 at all the steps, under the floor 0.35: it has not started taking the facts up, "
-           "whatever the half-steps run")
+           "whatever it recalled at half the steps")
   assert not verdict["passed"] and verdict["checks"][1][2] == floor and verdict["lost"] == [floor]
   assert capacity.gate_verdict(score(0.97), score(0.35), None, None)["lost"] == []
   assert capacity.gate_verdict(score(0.97), None, None, None)["lost"] == []  # not known yet
@@ -72,8 +74,10 @@ def test_the_gate_without_its_runs_does_not_pass():
   verdict = capacity.gate_verdict(None, score(0.5), None, None)
   assert checks(verdict) == {"learnable": False, "plateaued": False, "room": False}
   assert [numbers for _, _, numbers in verdict["checks"]] == [
-      "no finished preflight", "no finished half-steps run", "no finished wide run"]
-  assert capacity.gate_verdict(None, None, None, None)["checks"][2][2] == "no finished narrow and wide runs"
+      "no finished preflight", "the narrow run has no cool-down at half its steps (train.cooldowns)",
+      "no finished wide run"]
+  nothing = capacity.gate_verdict(None, None, None, None)["checks"]
+  assert [numbers for _, _, numbers in nothing][1:] == ["no finished narrow run", "no finished narrow and wide runs"]
 
 
 def test_welch_t_against_a_hand_computation():
@@ -136,16 +140,17 @@ def test_the_preflight_reads_its_entities_as_often_as_the_study_and_shorter_runs
   """At `bound`: the study's 1,638,400 documents begin with 800 updates of 32 (25,600) about 64 entities, then
   (1,638,400 - 25,600) // 4,096 = 393 readings of each; the preflight's 256 entities the same curriculum and readings:
   25,600 + 256 x 393 = 126,208 documents, 3,944 updates, a 32nd of them warm-up, 4 evaluations, 16 checkpoints. The
-  gate's half run and the `lr` sweep's quarter scale their schedule (and a short run's curriculum: a quarter)."""
+  `lr` sweep's quarter scales its schedule (and a short run's curriculum: a quarter); the gate's narrow run is cooled
+  down at half its steps: from update 0.8 x 25,600 = 20,480 to 25,600."""
   from experiments.sweeps.plan import plan
   (pre,) = plan("configs/capacity.py:moc,bound", "preflight")
   f, t = pre.config.data.facts, pre.config.train
   assert (f.num_entities, f.num_docs, f.warmup_entities, f.warmup_docs) == (256, 126_208, 64, 25_600)
   assert (t.steps, t.warmup_steps, t.eval_every, t.checkpoint_every) == (3944, 123, 986, 246)
   assert not pre.config.memory.enabled and pre.name == "dense-num_entities256-num_docs126208-warmup_entities64-steps3944"
-  half = plan("configs/capacity.py:moc,bound", "gate")[1].config
-  assert (half.train.steps, half.train.warmup_steps, half.train.eval_every, half.train.checkpoint_every,
-          half.data.facts.warmup_docs) == (25_600, 800, 6400, 1600, 25_600)
+  from moc_jax.config.plan import cooldown_branches
+  narrow = plan("configs/capacity.py:moc,bound", "gate")[0].config
+  assert (narrow.train.steps, cooldown_branches(narrow.train)) == (51_200, {20_480: 25_600})
   quarter = plan(SPEC, "lr")[0].config  # 6,400 steps at the default size: 1,600
   assert (quarter.train.steps, quarter.train.warmup_steps, quarter.train.eval_every, quarter.train.checkpoint_every,
           quarter.data.facts.warmup_docs) == (1600, 50, 400, 100, 400 * 32)
@@ -198,8 +203,9 @@ def test_warm_reads_n_entities_first_for_its_steps():
 
 def test_ramp_grows_the_entities_after_the_curriculum_and_shorter_runs_scale_it():
   """ramp=3200 at 100 readings (12,800 updates of 32 rows): 102,400 documents after the curriculum's 25,600 about a
-  growing set; the gate's half run and the preflight (3,944 of 51,200 updates: 126,208 of 1,638,400 documents) keep
-  it in proportion, by hand; a ramp without a curriculum, or longer than the updates after it, is one error."""
+  growing set; the preflight (3,944 of 51,200 updates: 126,208 of 1,638,400 documents) keeps it in proportion, by
+  hand, and the gate's runs are the whole run's; a ramp without a curriculum, or longer than the updates after it, is
+  one error."""
   from moc_jax import load_config
   c = load_config("configs/capacity.py:dense,readings=100,ramp=3200")
   assert (c.train.steps, c.data.facts.warmup_docs, c.data.facts.ramp_docs, c.data.shuffle) == (12_800, 25_600,
@@ -207,8 +213,8 @@ def test_ramp_grows_the_entities_after_the_curriculum_and_shorter_runs_scale_it(
   assert c.name == "capacity-dense-r100-ramp3200"
   assert load_config("configs/capacity.py:dense,readings=100").data.facts.ramp_docs == 0
   from experiments.sweeps.plan import plan
-  dense, half, wide = (p.config.data.facts for p in plan("configs/capacity.py:moc,bound,ramp=12800", "gate"))
-  assert (dense.ramp_docs, half.ramp_docs, wide.ramp_docs) == (409_600, 204_800, 409_600)
+  dense, wide = (p.config.data.facts for p in plan("configs/capacity.py:moc,bound,ramp=12800", "gate"))
+  assert (dense.ramp_docs, wide.ramp_docs) == (409_600, 409_600)
   (pre,) = plan("configs/capacity.py:moc,bound,ramp=12800", "preflight")
   assert (pre.config.data.facts.num_docs, pre.config.data.facts.ramp_docs) == (126_208, 31_552)  # 409,600 / 12.98
   with pytest.raises(ValueError, match=r"`ramp=3200`: a ramp grows the curriculum's entities .* leave out `warm=0`"):
@@ -219,7 +225,7 @@ def test_ramp_grows_the_entities_after_the_curriculum_and_shorter_runs_scale_it(
 
 def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
   from moc_jax import load_config
-  # the gate's half of 800 readings is as long as `bound`'s whole run
+  # the gate's cool-down at half of 800 readings ends where `bound`'s whole run does
   assert load_config("configs/capacity.py:dense,readings=800,entities=512").train.steps // 2 == load_config(
       "configs/capacity.py:dense,bound,entities=512").train.steps
   assert load_config("configs/capacity.py:dense,readings=400").to_dict() == load_config(
@@ -238,7 +244,7 @@ def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
 def test_the_sweeps():
   from experiments.sweeps.plan import plan
   gate = plan(SPEC, "gate")
-  assert [p.name for p in gate] == ["dense", "dense-steps3200", WIDE]
+  assert [p.name for p in gate] == [NARROW, WIDE]
   lr = plan(SPEC, "lr")
   arms = {capacity.arm_of(p.overrides, {}) for p in lr}
   assert {"routed-prefix-attention", "dense-mlp432"} <= arms and len(lr) == 3 * len(arms)
@@ -261,10 +267,13 @@ def test_every_quick_run_of_the_default_study_has_a_corpus_its_shapes_can_build(
 
 def _fake_training(trained, recall, fails=()):
   """subprocess.Popen of moc_jax.main for the launcher: writes the run's config.json (the command's config, parsed as
-  moc_jax.main parses it) and a validation row at step 0 and at the end (recall(name)), and records the run's name;
-  a run named in `fails` stops before its end (exit 1)."""
+  moc_jax.main parses it), a validation row at step 0 and at the end (recall(name)) and a row per cool-down of the
+  config (recall(f"{name}@{its end}")), and records the run's name; a run named in `fails` stops before its end
+  (exit 1)."""
   from absl import flags
   from ml_collections import config_flags
+
+  from moc_jax.config.plan import cooldown_branches
 
   class Run:
     def __init__(self, cmd, **kw):
@@ -280,9 +289,11 @@ def _fake_training(trained, recall, fails=()):
       self.rc = int(trained[-1] in fails)
       if self.rc:
         return
+      rows = [{"step": s, "split": "validation", "probe_acc": a} for s, a in ((0, 0.25), (steps, recall(trained[-1])))]
+      rows += [{"step": start, "split": "cooldown", "cooldown_end": end, "probe_acc": recall(f"{trained[-1]}@{end}")}
+               for start, end in cooldown_branches(values.config.train).items()]
       with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps({"step": s, "split": "validation", "ce": 1.0, "probe_acc": a, "probe_exact": 0.0,
-                                 "num_probes": 4096}) + "\n" for s, a in ((0, 0.25), (steps, recall(trained[-1]))))
+        f.writelines(json.dumps({**r, "ce": 1.0, "probe_exact": 0.0, "num_probes": 4096}) + "\n" for r in rows)
 
     def wait(self):
       return self.rc
@@ -295,7 +306,7 @@ def faked(monkeypatch):
   by default), the other runs 0.5, +0.1 at the rate 0.005, +0.05 with memory, +0.01 on the second seed; a knock-out
   leaves 0.3."""
   trained, evaluated = [], []
-  recalls = {"dense": 0.5, "dense-steps8": 0.49, WIDE: 0.7}
+  recalls = {NARROW: 0.5, HALF: 0.49, WIDE: 0.7}
 
   def recall(name):
     if name.startswith("dense-num_entities"):
@@ -328,13 +339,13 @@ def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
       "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
 
 
-GATE_RUNS = ["dense-num_entities2-num_docs128-warmup_entities2-steps32", "dense", "dense-steps8", WIDE]
+GATE_RUNS = ["dense-num_entities2-num_docs128-warmup_entities2-steps32", NARROW, WIDE]
 
 
 def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, faked):
   trained, _, _ = faked
   out = str(tmp_path)
-  os.makedirs(tmp_path / "gate" / "dense")  # a run stopped before its end: run again (moc_jax.main resumes it)
+  os.makedirs(tmp_path / "gate" / NARROW)  # a run stopped before its end: run again (moc_jax.main resumes it)
   capacity.run(out, SPEC, True, 1, stages=["preflight", "gate"])
   assert trained == GATE_RUNS
   text = capacity.run(out, SPEC, True, 1, stages=["preflight", "gate"])
@@ -365,11 +376,11 @@ def test_the_report_counts_what_another_invocation_sharing_dir_finished_meanwhil
 
 def test_a_run_that_stops_short_stops_the_command_after_the_report(tmp_path, faked, monkeypatch):
   """The wide run fails: the command stops as the launcher says, and capacity.md already gives the plateau check
-  its two narrow runs decide (here failing: +0.3 from half the steps)."""
+  the narrow run decides with its cool-down (here failing: +0.3 from half the steps)."""
   trained, _, recalls = faked
-  recalls["dense-steps8"] = 0.2
+  recalls[HALF] = 0.2
   monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails={WIDE}))
-  with pytest.raises(SystemExit, match=r"gate finished 2 of 3 runs .*re-run the same command"):
+  with pytest.raises(SystemExit, match=r"gate finished 1 of 2 runs .*re-run the same command"):
     capacity.run(str(tmp_path), SPEC, True, 1, stages=["gate"])
   text = (tmp_path / "capacity.md").read_text()
   assert "| plateaued | **no** | narrow recall 0.200 at half the steps, 0.500 at all of them: +0.300" in text
@@ -385,30 +396,28 @@ def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
   with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .no finished preflight"):
     capacity.run(out, SPEC, False, 1, stages=["arms"])
   assert trained == [] and "Stopped: stage arms not run" in (tmp_path / "capacity.md").read_text()
-  recalls["dense-steps8"] = 0.40
+  recalls[HALF] = 0.40
   with pytest.raises(UsageError, match="stage gate stopped: narrow recall 0.400"):
     capacity.run(out, SPEC, False, 1, stages=["preflight", "gate", "arms"])
-  assert trained == GATE_RUNS[:3]
+  assert trained == GATE_RUNS[:2]
   with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .narrow recall 0.400"):
     capacity.run(out, SPEC, False, 1, stages=["arms"])
-  assert trained == GATE_RUNS[:3]
+  assert trained == GATE_RUNS[:2]
   with pytest.raises(UsageError, match="stage confirm not run: the gate has not passed"):
     capacity.run(out, SPEC, False, 1, stages=["confirm"])
 
 
 def test_a_gate_whose_narrow_run_ended_under_the_floor_trains_nothing_more(tmp_path, faked, monkeypatch):
-  """At the default size's rules: the narrow run finished at 0.26 (the half-steps run stopped short, so the wide one
-  did not start); run again, the stage stops with one line before training either, since no half or wide run can
-  make the gate pass."""
+  """At the default size's rules: the narrow run finished at 0.26, under the floor, whatever its cool-down recalled:
+  the stage stops with one line instead of training the wide run, and run again it trains nothing, since no wide run
+  can make the gate pass."""
   trained, _, recalls = faked
   out = str(tmp_path)
   monkeypatch.setitem(capacity.SIZES, "default", QUICK)
-  recalls["dense"] = 0.26
-  with monkeypatch.context() as m:
-    m.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails={"dense-steps8"}))
-    with pytest.raises(SystemExit, match="gate finished 1 of 2 runs"):
-      capacity.run(out, SPEC, False, 1, stages=["gate"])
-  assert trained == ["dense", "dense-steps8"]
+  recalls.update({NARROW: 0.26, HALF: 0.26})
+  with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor"):
+    capacity.run(out, SPEC, False, 1, stages=["gate"])
+  assert trained == [NARROW]
   del trained[:]
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor "
                                        r"0.35: .*the gate cannot pass, so its other runs are not trained"):
@@ -418,10 +427,11 @@ def test_a_gate_whose_narrow_run_ended_under_the_floor_trains_nothing_more(tmp_p
 
 def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, monkeypatch):
   """At the default size's rules: a preflight under 0.9 stops the gate before its runs; one that learns lets the
-  narrow and half-steps runs train first, and their failed plateau check (+0.07) leaves the wide run untrained."""
+  narrow run train first, and its failed plateau check (+0.07 from its cool-down at half the steps) leaves the wide run
+  untrained."""
   trained, _, recalls = faked
   monkeypatch.setitem(capacity.SIZES, "default", QUICK)
-  recalls.update({GATE_RUNS[0]: 0.6, "dense": 0.52, "dense-steps8": 0.45})
+  recalls.update({GATE_RUNS[0]: 0.6, NARROW: 0.52, HALF: 0.45})
   monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name]))
   with pytest.raises(UsageError, match=r"^stage gate stopped: preflight recall 0.600 \(needs ≥ 0.9\); the gate "
                                        r"cannot pass, so its other runs are not trained \(the levers: "):
@@ -431,7 +441,7 @@ def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, mon
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.450 at half the steps, 0.520 at all "
                                        r"of them: \+0.070"):
     capacity.run(str(tmp_path / "learns"), SPEC, False, 1, stages=["preflight", "gate"])
-  assert trained == GATE_RUNS[:1] + GATE_RUNS[:3]
+  assert trained == GATE_RUNS[:1] + GATE_RUNS[:2]
   text = (tmp_path / "learns" / "capacity.md").read_text()
   assert "| room | **no** | no finished wide run |" in text and "Stopped: stage gate stopped: narrow recall" in text
 
