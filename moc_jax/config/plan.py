@@ -178,6 +178,7 @@ def layer_plan(c) -> LayerPlan:
       return LayerPlan(period, L // period, offsets, True)
   return unrolled
 
+
 def decay_start_step(t) -> int:
   """MoC-PT's rule for wsd, cosine and linear alike: decay_start_step wins over decay_start_ratio; without
   either the decay starts at W (no hold); the result is clamped to [W, steps]."""

@@ -8,9 +8,10 @@ its decay, it saves a checkpoint there, trains on with that run's decay over the
 evaluates the result as that run's final evaluation (a metrics row of split `cooldown` at the branch's step, where the
 decay ended in `cooldown_end`), and restores the checkpoint: the run goes on exactly as without the cool-down. One run
 so gives the annealed learning curve of several shorter ones for the price of their decays (a fifth of each at the
-ratio 0.8); Hägele et al. 2024 ("Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations") find such
-cool-downs match runs trained to that length. A run's own evaluations along the hold say little of where a shorter run
-would have ended: much of what an annealed run learns shows only in its decay.
+ratio 0.8), the way Hägele et al. 2024 ("Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations")
+draw scaling curves from one run at a constant rate. A run's own evaluations along the hold say little of where a
+shorter run would have ended: much of what an annealed run learns shows only in its decay. (The data pipeline reads
+nothing of train.steps, so the documents are the shorter run's too.)
 
 A branch is resumable like the run: killed during one, the run resumes from the checkpoint at its start and trains
 the branch again; a branch whose row the metrics hold is not trained twice.
