@@ -155,8 +155,10 @@ def _train(config, workdir, mesh, make_evaluator):
     """The cool-down off `step`, if one is due (moc_jax/train/cooldown.py): (the state to go on from, whether to
     stop). A signal stops a branch at once in one process; with several, `requested` changes only at the run's own
     steps' agreed points (_Preemption.check), so the branch ends first and the run stops at its next step."""
+    if step not in branches.ends:  # most steps: the throughput window goes on
+      return state, False
     out = branches.off(step, state, lambda: next_batch(count=False), saved, lambda: preempt.requested)
-    window.update(t0=time.time(), wait=0.0, steps=0)
+    window.update(t0=time.time(), wait=0.0, steps=0)  # the branch's time is no training time of the run
     return out
   try:
     # a run stopped during the cool-down off the step it resumes at trains it now
