@@ -19,6 +19,7 @@ the branch again; a branch whose row the metrics hold is not trained twice.
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -60,11 +61,15 @@ class Branches:
     consecutive = int(state["nonfinite"])  # the run's count of skipped updates in a row, which the branch's are not
     log.warning("moc_jax: cool-down from step %d to %d (the run of %d steps), then back to step %d", step, end, end,
                 step)
-    step_fn = self._train_step(end)
-    for _ in range(step + 1, end + 1):
+    step_fn, every, t0 = self._train_step(end), self._config.train.log_every, time.time()
+    for s in range(step + 1, end + 1):
       if stopping():
         break
-      state, _ = step_fn(state, next_batch())
+      state, metrics = step_fn(state, next_batch())
+      if (s - step) % every == 0:  # a branch can take as long as a tenth of the run: it shows it is alive
+        left = (time.time() - t0) / (s - step) * (end - s)
+        log.warning("moc_jax: cool-down step %d/%d loss=%.4f ce=%.4f eta=%.0fs", s, end, float(metrics["loss"]),
+                    float(metrics["ce"]), left)
     else:
       self._writer.write({"step": step, "split": SPLIT, "cooldown_end": end, **self._evaluator(state["params"])})
     restored = self._checkpointer.restore(step, self._layout.abstract, self._data_iter)

@@ -8,7 +8,7 @@ import moc_jax
 from moc_jax import main as main_lib
 from moc_jax.checkpoint import saved_steps
 from moc_jax.errors import ConfigError
-from moc_jax.train import cooldown
+from moc_jax.train import cooldown, loop
 from tests.train import train_utils as tu
 
 SPEC = "configs/vanilla.py:tiny"
@@ -39,9 +39,16 @@ def _scores(row):
 
 @pytest.fixture(scope="module")
 def cooled(data_dir, tmp_path_factory):
-  """The run with its cool-down at half the steps."""
-  workdir = tmp_path_factory.mktemp("cooled")
-  return workdir, _train(data_dir, workdir, **{"train.cooldowns": (HALF,)})
+  """The run with its cool-down at half the steps, and what it logged."""
+  workdir, lines = tmp_path_factory.mktemp("cooled"), []
+  handler = logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger("moc_jax")
+  logger.addHandler(handler)
+  try:
+    return workdir, _train(data_dir, workdir, **{"train.cooldowns": (HALF,)}), lines
+  finally:
+    logger.removeHandler(handler)
 
 
 def test_a_cooldown_scores_what_the_shorter_run_trained_on_its_own_ends_with(data_dir, cooled, tmp_path):
@@ -50,6 +57,10 @@ def test_a_cooldown_scores_what_the_shorter_run_trained_on_its_own_ends_with(dat
   shorter = _train(data_dir, tmp_path, **{"train.steps": 5})
   (final,) = [r for r in _rows(shorter, "validation") if r["step"] == 5]
   assert _scores(row) == _scores(final)
+  # its progress line (every train.log_every updates of the branch) shows the shorter run's own train loss
+  (progress,) = [line for line in cooled[2] if line.startswith("moc_jax: cool-down step")]
+  (last,) = [r for r in shorter if "split" not in r and r["step"] == 5]
+  assert progress.startswith(f"moc_jax: cool-down step 5/5 loss={last['loss']:.4f} ce={last['ce']:.4f} eta=")
 
 
 def test_the_run_goes_on_as_without_its_cooldown(data_dir, cooled, tmp_path):
@@ -80,6 +91,19 @@ def test_a_cooldown_behind_the_step_a_run_resumes_at_is_named_and_not_trained(da
     rows = _train(data_dir, tmp_path, **{"train.cooldowns": (HALF,)})
   assert "past the start of the cool-downs from steps [4]" in caplog.text
   assert not _rows(rows, cooldown.SPLIT)
+
+
+def test_the_logged_throughput_counts_every_training_step_of_its_window_and_no_branch_step(data_dir, tmp_path,
+                                                                                            monkeypatch):
+  """Logged every 5 updates, checkpointed and evaluated only at the end: the row at update 5 counts update 5 only (the
+  window starts again after the branch off update 4, whose time is no training time of the run), the row at 10 counts
+  updates 6 to 10."""
+  counted = []
+  row = loop.Throughput.row
+  monkeypatch.setattr(loop.Throughput, "row", lambda self, steps, seconds: counted.append(steps) or row(self, steps,
+                                                                                                         seconds))
+  _train(data_dir, tmp_path, **{"train.cooldowns": (HALF,), "train.log_every": 5, "train.checkpoint_every": 100})
+  assert counted == [1, 5]
 
 
 @pytest.mark.parametrize("cooldowns, says", [
