@@ -119,6 +119,20 @@ def binomial_se(recall, probes) -> float:
   return math.sqrt(recall * (1 - recall) / probes) if probes else math.nan
 
 
+def held_kbit(recall, fact_bits) -> float:
+  """The facts a model holds, in kbit, read from its recall: a probe it knows it answers, one it does not it guesses
+  (chance CHANCE), so it knows (recall - CHANCE) / (1 - CHANCE) of the probes, and of the facts' bits as much (the
+  probes draw entities and attributes uniformly). Comparable with the 1-2 bits per parameter a transformer holds."""
+  return max(0.0, (recall - CHANCE) / (1 - CHANCE)) * fact_bits / 1e3
+
+
+def trained_parameters(config) -> int:
+  """The parameters that can hold facts: the backbone without its tied embedding, and the memory."""
+  from moc_jax import count_params
+  counts = count_params(config)
+  return counts["backbone"] - config.model.vocab_size * config.model.d_model + counts["bank"] + counts["memory_layers"]
+
+
 def _unfinished(runs: dict) -> str:
   """A check's numbers when some of its runs are missing: which (the others may be running)."""
   missing = [name for name, run in runs.items() if run is None]
@@ -200,8 +214,10 @@ def read_runs(out, sweep, size) -> list[dict] | None:
   """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
   (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated), `curve`
   [(training tokens, recall, exact match)], `cooled` {the step a cool-down ended at: {recall, probes, exact_match,
-  val_ce, tokens}} and `eval_s`; None when DIR has no such sweep."""
+  val_ce, tokens}}, `fact_bits` (of its corpus), `parameters` (trained_parameters) and `eval_s`; None when DIR has no
+  such sweep."""
   from moc_jax.config import load_run_config
+  from moc_jax.data.facts import fact_bits
   from moc_jax.train.cooldown import SPLIT
   sweep_dir = os.path.join(out, sweep)
   if not os.path.exists(os.path.join(sweep_dir, MANIFEST)):
@@ -215,6 +231,7 @@ def read_runs(out, sweep, size) -> list[dict] | None:
       final, metrics = final_eval(row["workdir"], config.train.steps), read_metrics(row["workdir"])
       run.update(lr=config.train.base_lr, probes=final.get("num_probes", 0), recall=row["fact_recall"],
                  knockout=row.get("recall_without_bank"), memory=is_moc(config),
+                 fact_bits=fact_bits(config.data.facts)["total"], parameters=trained_parameters(config),
                  curve=[(r["step"] * per_step, r["probe_acc"], r["probe_exact"]) for r in metrics
                         if r.get("split") == "validation" and "probe_acc" in r],
                  cooled={r["cooldown_end"]: {"recall": r["probe_acc"], "probes": r.get("num_probes", 0),
@@ -304,13 +321,12 @@ def capacity_lines(points, shapes) -> list[str]:
     if key in seen:
       continue
     seen.add(key)
-    bits, counts = fact_bits(p.config.data.facts), count_params(p.config)
-    backbone = counts["backbone"] - p.config.model.vocab_size * p.config.model.d_model
+    bits, counts, trained = fact_bits(p.config.data.facts), count_params(p.config), trained_parameters(p.config)
     memory = counts["bank"] + counts["memory_layers"]
     lines.append(f"{key[0]}: {bits['total'] / 1e3:,.1f} kbit of facts ({bits['entities']:,} entities x "
-                 f"{bits['per_entity']:.2f} bits) against {backbone:,} parameters without the embedding"
+                 f"{bits['per_entity']:.2f} bits) against {trained - memory:,} parameters without the embedding"
                  + (f" + {memory:,} of memory" if memory else "")
-                 + f": {bits['total'] / (backbone + memory):.3g} bits per parameter")
+                 + f": {bits['total'] / trained:.3g} bits per parameter")
   return lines
 
 
@@ -346,18 +362,25 @@ def _num(value, digits=3) -> str:
 
 
 def runs_table(runs) -> list[str]:
-  lines = [("| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | recall, memory knocked out | "
-            "val CE | wall s |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  """A row per run (and per cool-down of it); `facts held` is held_kbit of its corpus's, and per trained parameter."""
+  lines = [("| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | facts held, kbit (per parameter) "
+            "| recall, memory knocked out | val CE | wall s |"),
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+  def held(r, recall):
+    kbit = held_kbit(recall, r["fact_bits"])
+    return f"{kbit:.3g} of {r['fact_bits'] / 1e3:.3g} ({kbit * 1e3 / r['parameters']:.3g})"
   for r in runs:
     if r["status"] != "done":
-      lines.append(f"| {r['run']} | | | | | {r['status']}: {r.get('note', '')} | | | | |")
+      lines.append(f"| {r['run']} | | | | | {r['status']}: {r.get('note', '')} | | | | | |")
       continue
     lines.append(f"| {r['run']} | {r['lr']:g} | {r['steps']:,} | {r['tokens']:,} | {r['flops_per_token']:,.0f} | "
-                 f"{r['recall']:.3f} ± {r['recall_se']:.3f} | {r['exact_match']:.3f} | {_num(r['knockout'])} | "
-                 f"{r['val_ce']:.4f} | {r['wall_s']:,.0f} |")
+                 f"{r['recall']:.3f} ± {r['recall_se']:.3f} | {r['exact_match']:.3f} | {held(r, r['recall'])} | "
+                 f"{_num(r['knockout'])} | {r['val_ce']:.4f} | {r['wall_s']:,.0f} |")
     for end, c in sorted(r["cooled"].items()):
       lines.append(f"| {r['run']}, cooled down at step {end:,} | | {end:,} | {c['tokens']:,} | | {c['recall']:.3f} ± "
-                   f"{binomial_se(c['recall'], c['probes']):.3f} | {c['exact_match']:.3f} | | {c['val_ce']:.4f} | |")
+                   f"{binomial_se(c['recall'], c['probes']):.3f} | {c['exact_match']:.3f} | {held(r, c['recall'])} | | "
+                   f"{c['val_ce']:.4f} | |")
   return lines
 
 
@@ -368,7 +391,9 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
   lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
            (f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) "
             "on the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
-            "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed)."), ""]
+            "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed); facts "
+            "held: the corpus's bits of facts times the share of probes known above chance, and per parameter "
+            "without the embedding (a transformer holds about 1 to 2)."), ""]
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
             "gate": "Stage `gate`: narrow (and its cool-down at half the steps), wide",
             "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",

@@ -356,6 +356,21 @@ def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, fak
   assert text.count("Not run by this invocation: what DIR holds.") == 1  # the gate, reported from DIR
 
 
+def test_the_facts_a_model_holds_are_the_share_of_probes_it_knows_above_chance():
+  assert capacity.held_kbit(0.625, 8000) == pytest.approx(4.0)  # (0.625 - 0.25) / 0.75 = half of 8 kbit
+  assert capacity.held_kbit(1.0, 8000) == pytest.approx(8.0)
+  assert capacity.held_kbit(0.2, 8000) == 0.0  # under chance: nothing held, not a negative amount
+
+
+def test_the_runs_table_states_the_facts_each_run_and_cool_down_holds(tmp_path, faked):
+  """The faked narrow run recalls 0.5 (a third of the probes known above chance), its cool-down 0.49: the quick
+  corpus's 16 entities x 42.97 bits = 687.5 bit (hand count: Σ log2 of the nine pools, tests/data), per parameter
+  over the narrow backbone's 98,624 without the embedding (configs/capacity.py's sizing)."""
+  text = capacity.run(str(tmp_path), SPEC, True, 1, stages=["preflight", "gate"])
+  assert "| 0.500 ± 0.008 | 0.000 | 0.229 of 0.688 (0.00232) |" in text
+  assert "| 0.490 ± 0.008 | 0.000 | 0.22 of 0.688 (0.00223) |" in text
+
+
 def test_the_report_counts_what_another_invocation_sharing_dir_finished_meanwhile(tmp_path, faked, monkeypatch):
   """`--stages=gate` started before the preflight (another invocation, same DIR) finished: the gate's verdict and
   the report read DIR when written, not when the command started."""
