@@ -111,7 +111,7 @@ NO_MEMORY = {"memory.enabled": False, "memory.placement": "none"}  # the backbon
 
 
 def _iso_mlp_dim(c, top_k):
-  """SwiGLU width of the vanilla backbone whose model FLOPs per token (forward + backward, the
+  """MLP width of the vanilla backbone whose model FLOPs per token (forward + backward, the
   estimator's MFU count) are closest to the MoC model's at `top_k`; FLOPs are linear in the width."""
   from moc_jax.flops import model_flops_per_token
   moc, dense = c.copy_and_resolve_references(), c.copy_and_resolve_references()

@@ -38,6 +38,8 @@ from moc_jax.model.product_keys import product_candidates
 SOFTMAX = 5     # per element: exp, sum, divide, max, subtract
 MASK_SCALE = 2  # per attention score, counted for self and memory attention alike
 SWIGLU = 5      # per hidden element: SiLU 4 + the gate product 1
+# per hidden element of a plain MLP (model.hidden_activation; MoC-PT's scripts/estimate_flops.py ACTIVATION_FLOPS)
+PLAIN_ACTIVATION = {"silu": 4, "gelu": 8, "relu": 1, "sigmoid": 4, "tanh": 4}
 POOL_WEIGHT = 5  # attention pooling, per position: cap (divide, tanh, multiply), exp, mask
 SEARCH = "search"  # a component run forward only, once: no backward, no recompute (the product-key search)
 
@@ -124,16 +126,21 @@ def _attention(b, lq, lk, d, heads, kv_dim, kv_in):
           "softmax": score_elementwise(b, heads, lq, lk)}
 
 
-def _mlp(tokens, d, mlp_dim):
-  return {"gate": linear(tokens, d, mlp_dim), "up": linear(tokens, d, mlp_dim),
-          "down": linear(tokens, mlp_dim, d), "activation": swiglu(tokens, mlp_dim)}
+def _mlp(tokens, d, mlp_dim, activation="swiglu"):
+  """SwiGLU: gate, up, down and the gated activation; a plain MLP (model.hidden_activation): up, down, activation."""
+  if activation == "swiglu":
+    return {"gate": linear(tokens, d, mlp_dim), "up": linear(tokens, d, mlp_dim),
+            "down": linear(tokens, mlp_dim, d), "activation": swiglu(tokens, mlp_dim)}
+  return {"up": linear(tokens, d, mlp_dim), "down": linear(tokens, mlp_dim, d),
+          "activation": Flops(PLAIN_ACTIVATION[activation] * tokens * mlp_dim)}
 
 
 def _standard_layer(m, b, l):
   t, d = b * l, m.d_model
   kv = m.num_kv_heads * (d // m.num_heads)
   return {"self_attention": _attention(b, l, l, d, m.num_heads, kv, d), "rope": rope(t, d, kv),
-          "norms": {"attention": rms_norm(t, d), "mlp": rms_norm(t, d)}, "mlp": _mlp(t, d, m.mlp_dim),
+          "norms": {"attention": rms_norm(t, d), "mlp": rms_norm(t, d)},
+          "mlp": _mlp(t, d, m.mlp_dim, m.hidden_activation),
           "residuals": {"attention": per_element(t, d), "mlp": per_element(t, d)}}
 
 
@@ -264,7 +271,7 @@ def _memory_extra(c, b, l):
       "residual": per_element(t, d),
   }
   if mem.block_variant == "B":
-    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim),
+    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim, m.hidden_activation),
                  post_memory_residual=per_element(t, d))
   return extra
 
@@ -296,7 +303,7 @@ def _pkm_extra(c, b, l):
                        "out": linear(t, value_dim, d)}
   extra["residual"] = per_element(t, d)
   if mem.block_variant == "B":
-    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim),
+    extra.update(post_memory_norm=rms_norm(t, d), post_memory_mlp=_mlp(t, d, m.mlp_dim, m.hidden_activation),
                  post_memory_residual=per_element(t, d))
   return extra
 

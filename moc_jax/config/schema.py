@@ -34,6 +34,9 @@ ROUTERS = ("linear", "product")
 ATTENTION_IMPLS = ("auto", "pallas", "xla", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots")
+# MoC-PT's model.hidden_activation: SwiGLU (gated: gate, up and down projections) or one of the plain MLPs (up, the
+# activation, down); the model (model/layers.py) and the FLOPs (flops.py) each map every name.
+HIDDEN_ACTIVATIONS = ("swiglu", "silu", "relu", "gelu", "sigmoid", "tanh")
 SCHEDULES = ("wsd", "cosine", "linear", "constant")
 BANK_OPTIMIZERS = ("dense", "lazy_adam", "smf")
 BANK_RULES = ("adamw", "sgd")
@@ -69,12 +72,13 @@ def base_config():
   m.num_heads = 12
   m.num_kv_heads = 4
   m.mlp_dim = 2304
+  m.hidden_activation = "swiglu"  # swiglu | silu | relu | gelu | sigmoid | tanh (MoC-PT's; plain MLPs have no gate)
   m.max_seq_len = 1024
   m.rope_theta = 100_000.0
   m.norm_eps = 1e-5
   m.init_std = 0.02              # every Linear, the embedding, the router
   m.attn_out_init_std = 0.00378  # self-attention W_o (paper run value)
-  m.mlp_out_init_std = 0.00378   # SwiGLU W_down (paper run value)
+  m.mlp_out_init_std = 0.00378   # the MLP's W_down (paper run value)
   m.compute_dtype = "bfloat16"   # matmul inputs; params, residual, norms, softmax and loss stay float32
   m.param_dtype = "float32"
   m.remat = "full"               # none | full | dots : per-block activation checkpointing

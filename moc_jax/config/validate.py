@@ -12,10 +12,10 @@ import jax
 from moc_jax.config.plan import (bank_ids, bank_shape, base_tables, decay_start_step, layer_plan, memory_layers,
                                  router_factors, shorter_run, subtree_chapters)
 from moc_jax.config.schema import (ATTENTION_IMPLS, BANK_OPTIMIZERS, BANK_RULES, BANK_STATE_MEMORY, CHAT_FORMATS,
-                                   DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, LAYOUTS, LOAD_BALANCES, MEMORY_KINDS,
-                                   PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS, ROUTERS, ROUTING_POOLS, ROUTINGS,
-                                   SCHEDULES, SHARDED_READS, SHARINGS, SMF_RANKS, TOKEN_NORMS, UPSCALE_COPIES,
-                                   VARIANTS)
+                                   DECAYING_SCHEDULES, DECODE_ROUTINGS, DTYPES, HIDDEN_ACTIVATIONS, LAYOUTS,
+                                   LOAD_BALANCES, MEMORY_KINDS, PACK_BOUNDARIES, PLACEMENTS, QUERY_NORMS, REMATS,
+                                   ROUTERS, ROUTING_POOLS, ROUTINGS, SCHEDULES, SHARDED_READS, SHARINGS, SMF_RANKS,
+                                   TOKEN_NORMS, UPSCALE_COPIES, VARIANTS)
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.sharding.mesh import shards, validate_mesh
 
@@ -47,6 +47,7 @@ def validate(c) -> None:
   for f in ("compute_dtype", "param_dtype"):
     _enum(c, f"model.{f}", DTYPES)
   _enum(c, "model.remat", REMATS)
+  _enum(c, "model.hidden_activation", HIDDEN_ACTIVATIONS)
   _positive(c, "model.logits_chunk", allow_zero=True)
   if m.d_model % m.num_heads:
     _fail("model.num_heads", f"{m.num_heads} does not divide d_model {m.d_model}", "pick a divisor of d_model")
@@ -130,6 +131,9 @@ def _validate_ffn(c):
   if mem.block_variant != "A":
     _fail("memory.block_variant", f"{mem.block_variant!r} with memory.kind='ffn': the columns widen the block's one "
           "MLP", "leave memory.block_variant='A'")
+  if c.model.hidden_activation != "swiglu":
+    _fail("model.hidden_activation", f"{c.model.hidden_activation!r} with memory.kind='ffn': the columns widen a "
+          "SwiGLU MLP (gate, up and down)", "set model.hidden_activation='swiglu'")
   for f in ("num_chapters", "init_std"):
     _positive(c, f"memory.{f}")
   _positive(c, "memory.num_shared", allow_zero=True)

@@ -69,6 +69,7 @@ def param_map(config) -> dict[str, Entry]:
   entries = {"embed_tokens.weight": Entry(("embed", "embedding"), None, "same"),
              "norm.weight": Entry(("final_norm", "scale"), None, "same")}
   mem_layers = memory_layers(config)
+  mlp = ("gate", "up", "down") if config.model.hidden_activation == "swiglu" else ("up", "down")  # plain: no gate
   for b in sorted(set(bank_ids(config))):
     entries[f"memory_banks.{b}.base_bank.memory"] = Entry(("bank", "memory"), b, "bank")
   for i in range(config.model.num_layers):
@@ -82,7 +83,7 @@ def param_map(config) -> dict[str, Entry]:
     add(f"layers.{i}.post_attention_layernorm.weight", ("mlp_norm", "scale"), "same")
     for n in "qkvo":
       add(f"layers.{i}.self_attn.{n}_proj.weight", ("attn", n, "kernel"), "linear")
-    for n in ("gate", "up", "down"):
+    for n in mlp:
       add(f"layers.{i}.mlp.{n}_proj.weight", ("mlp", n, "kernel"), "linear")
     if i in mem_layers:
       add(f"layers.{i}.memory_layernorm.weight", ("memory", "norm", "scale"), "same")
@@ -92,7 +93,7 @@ def param_map(config) -> dict[str, Entry]:
       add(f"routers.{i}.router.bias", ("memory", "router", "proj", "bias"), "same")
       if config.memory.block_variant == "B":
         add(f"layers.{i}.post_memory_layernorm.weight", ("post_memory_norm", "scale"), "same")
-        for n in ("gate", "up", "down"):
+        for n in mlp:
           add(f"layers.{i}.post_memory_mlp.{n}_proj.weight", ("post_memory_mlp", n, "kernel"), "linear")
   return entries
 

@@ -22,7 +22,6 @@ from moc_jax.errors import ConfigError
 
 _UNSUPPORTED = {  # (section, field): (value(s) we support, why)
     ("model", "use_rope"): ((True,), "only RoPE models are implemented"),
-    ("model", "hidden_activation"): (("swiglu",), "only SwiGLU is implemented"),
     ("model", "use_rms_norm"): ((True,), "only RMSNorm is implemented"),
     ("model", "tie_embeddings"): ((True,), "only tied embeddings are implemented"),
     ("model", "base_model_name"): ((None,), "adapter mode on a pretrained HF model is not implemented"),
@@ -57,6 +56,7 @@ def config_from_mocpt(model_cfg: dict, memory_cfg: dict, compute_dtype: str = "b
   c.model.update(
       vocab_size=mc["vocab_size"], d_model=mc["hidden_dim"], num_layers=mc["num_layers"], num_heads=heads,
       num_kv_heads=kv_heads, mlp_dim=mc["intermediate_dim"],
+      hidden_activation=str(mc.get("hidden_activation", "swiglu")).lower(),  # MoC-PT lower-cases it too
       max_seq_len=mc.get("max_position_embeddings") or mc.get("max_seq_len", 8192),
       rope_theta=float(mc["rope_theta"]), norm_eps=float(mc["norm_eps"]),
       init_std=mc["initializer_range"],

@@ -1,4 +1,4 @@
-"""Backbone building blocks: RMSNorm, RoPE, attention core, GQA self-attention, SwiGLU, tied embedding.
+"""Backbone building blocks: RMSNorm, RoPE, attention core, GQA self-attention, the MLP, tied embedding.
 
 Numerics policy (as MoC-PT trains under bf16 autocast): parameters and the residual stream are float32;
 matmul inputs are cast to `compute_dtype`; norms, softmax and the loss run in float32.
@@ -175,16 +175,30 @@ class SelfAttention(nnx.Module):
     return rope(q, positions, self.theta), rope(k, positions, self.theta), v
 
 
-class SwiGLU(nnx.Module):
+# model.hidden_activation's plain MLPs: the activation between up and down (MoC-PT's: torch's gelu is the exact one)
+PLAIN_ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+                     "sigmoid": jax.nn.sigmoid, "tanh": jnp.tanh}
+
+
+class MLP(nnx.Module):
+  """SwiGLU (model.hidden_activation 'swiglu', the paper's: down(silu(gate x) * up x)) or a plain MLP (down(act(up
+  x)), no gate). The plain ones are MoC-PT's other choices; they also store more facts per parameter than a gated MLP
+  over short training (Allen-Zhu & Li 2024, "Physics of Language Models, Part 3.3"), which a capacity study may
+  want."""
+
   def __init__(self, cfg, rngs):
     m = cfg.model
     dt = jnp.dtype(m.compute_dtype)
-    self.gate = dense(m.d_model, m.mlp_dim, m.init_std, ("embed", "mlp"), dt, rngs)
+    self.activation = m.hidden_activation
+    if self.activation == "swiglu":
+      self.gate = dense(m.d_model, m.mlp_dim, m.init_std, ("embed", "mlp"), dt, rngs)
     self.up = dense(m.d_model, m.mlp_dim, m.init_std, ("embed", "mlp"), dt, rngs)
     self.down = dense(m.mlp_dim, m.d_model, m.mlp_out_init_std, ("mlp", "embed"), dt, rngs)
 
   def __call__(self, x):
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    if self.activation == "swiglu":
+      return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    return self.down(PLAIN_ACTIVATIONS[self.activation](self.up(x)))
 
 
 class Embed(nnx.Module):

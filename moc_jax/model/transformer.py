@@ -19,7 +19,7 @@ from flax import nnx
 from moc_jax.config import bank_ids, layer_plan, memory_layers
 from moc_jax.model.ffn_memory import ColumnBank, FFNMemory
 from moc_jax.model.hml import HMLBlock
-from moc_jax.model.layers import Embed, RMSNorm, SelfAttention, SwiGLU, cpu_layouts
+from moc_jax.model.layers import MLP, Embed, RMSNorm, SelfAttention, cpu_layouts
 from moc_jax.model.memory import BankRows, ChapterBank, MemoryLayer
 from moc_jax.model.pkm import PKMLayer
 from moc_jax.model.product_keys import SEARCH_RESULT
@@ -48,10 +48,10 @@ class Block(nnx.Module):
     d, eps = cfg.model.d_model, cfg.model.norm_eps
     self.variant = cfg.memory.block_variant if has_memory else "A"
     self.attn_norm, self.attn = RMSNorm(d, eps), SelfAttention(cfg, rngs)
-    self.mlp_norm, self.mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
+    self.mlp_norm, self.mlp = RMSNorm(d, eps), MLP(cfg, rngs)
     self.memory = MEMORY_MODULES[cfg.memory.kind](cfg, rngs) if has_memory else None
     if self.variant == "B":
-      self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), SwiGLU(cfg, rngs)
+      self.post_memory_norm, self.post_memory_mlp = RMSNorm(d, eps), MLP(cfg, rngs)
 
   @property
   def memory_first(self) -> bool:

@@ -51,6 +51,7 @@ REJECTIONS = [
     ("unknown_compute_dtype", {"model.compute_dtype": "float8"}, "model.compute_dtype"),
     ("unknown_param_dtype", {"model.param_dtype": "int8"}, "model.param_dtype"),
     ("unknown_remat", {"model.remat": "selective"}, "model.remat"),
+    ("unknown_hidden_activation", {"model.hidden_activation": "geglu"}, "model.hidden_activation"),
 ]
 # data / train fields (checked before the memory fields)
 REJECTIONS += [

@@ -5,7 +5,8 @@ PyTorch Linear layout [out, in]) and shares no code with `moc_jax`, so agreement
 two is evidence about the port, not about shared code. Its faithfulness is itself checked
 against the PyTorch fixture (tests/convert/test_mocpt_numpy_fixture.py).
 
-Covered: RMSNorm backbone, RoPE, GQA self-attention with causal + key-padding mask, SwiGLU, block
+Covered: RMSNorm backbone, RoPE, GQA self-attention with causal + key-padding mask, SwiGLU and the plain MLPs of
+`hidden_activation` (silu, relu, gelu, sigmoid, tanh), block
 variants A and B, every placement and sharing mode, shared + routed chapters, the parameter-free
 shared/routed token norm (rms | layernorm), memory GQA, memory_dim != hidden_dim, the
 load-balance / z / auxiliary router losses, and the routing strategies "sequence" and "token"
@@ -14,6 +15,8 @@ MoC-PT's CPU route: dense shared branch + per-chapter routed attention, as in it
 Anything else raises NotImplementedError.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -38,7 +41,7 @@ def _resolved(model_cfg: dict, memory_cfg: dict) -> dict:
 
 def _check_supported(model_cfg: dict, memory_cfg: dict) -> None:
   unsupported = {
-      "model.hidden_activation != swiglu": model_cfg.get("hidden_activation", "swiglu") != "swiglu",
+      "model.hidden_activation": _activation(model_cfg) not in ("swiglu", *_PLAIN),
       "model.use_rms_norm false": not model_cfg.get("use_rms_norm", True),
       "model.base_model_name (adapter mode)": model_cfg.get("base_model_name") is not None,
       "memory.use_chapters false": not memory_cfg.get("use_chapters", False),
@@ -52,6 +55,10 @@ def _check_supported(model_cfg: dict, memory_cfg: dict) -> None:
   bad = [k for k, v in unsupported.items() if v]
   if bad:
     raise NotImplementedError(f"mocpt_numpy does not model: {bad}")
+
+
+def _activation(model_cfg: dict) -> str:
+  return str(model_cfg.get("hidden_activation", "swiglu")).lower()
 
 
 def memory_layer_indices(model_cfg: dict, memory_cfg: dict) -> list[int]:
@@ -105,6 +112,7 @@ def random_mocpt_state(model_cfg: dict, memory_cfg: dict, seed) -> dict[str, np.
   r = _resolved(model_cfg, memory_cfg)
   d, hd, v, inter = r["d"], r["hd"], model_cfg["vocab_size"], model_cfg["intermediate_dim"]
   theta = float(model_cfg.get("rope_theta", 10000.0))
+  gated = _activation(model_cfg) == "swiglu"  # MoC-PT's plain MLPs have no gate_proj
 
   def normal(shape, std):
     return (std * rng.standard_normal(shape)).astype(np.float32)
@@ -128,7 +136,8 @@ def random_mocpt_state(model_cfg: dict, memory_cfg: dict, seed) -> dict[str, np.
     state[p + "self_attn.v_proj.weight"] = linear(r["kv"] * hd, d)
     state[p + "self_attn.o_proj.weight"] = linear(d, d, 0.5)
     state[p + "self_attn.rotary.inv_freq"] = inv_freq.copy()
-    state[p + "mlp.gate_proj.weight"] = linear(inter, d)
+    if gated:
+      state[p + "mlp.gate_proj.weight"] = linear(inter, d)
     state[p + "mlp.up_proj.weight"] = linear(inter, d)
     state[p + "mlp.down_proj.weight"] = linear(d, inter, 0.5)
     if i in mem_layers:
@@ -140,7 +149,8 @@ def random_mocpt_state(model_cfg: dict, memory_cfg: dict, seed) -> dict[str, np.
       state[p + "memory_attn.o_proj.weight"] = linear(d, d, 0.5)
       if variant == "B":
         state[p + "post_memory_layernorm.weight"] = gain()
-        state[p + "post_memory_mlp.gate_proj.weight"] = linear(inter, d)
+        if gated:
+          state[p + "post_memory_mlp.gate_proj.weight"] = linear(inter, d)
         state[p + "post_memory_mlp.up_proj.weight"] = linear(inter, d)
         state[p + "post_memory_mlp.down_proj.weight"] = linear(d, inter, 0.5)
   banks = bank_assignments(model_cfg, memory_cfg)
@@ -190,9 +200,19 @@ def _rotate_half(x):
   return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def _swiglu(x, s, p):
-  return _linear(_silu(_linear(x, s[p + "gate_proj.weight"])) * _linear(x, s[p + "up_proj.weight"]),
-                 s[p + "down_proj.weight"])
+# MoC-PT MLP's non-gated activations; its gelu is torch's exact (erf) one
+_PLAIN = {"silu": _silu, "relu": lambda x: np.maximum(x, 0.0),
+          "gelu": lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0))),
+          "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "tanh": np.tanh}
+
+
+def _mlp(x, s, p, activation):
+  """MoC-PT's MLP: SwiGLU, or up -> activation -> down."""
+  if activation == "swiglu":
+    hidden = _silu(_linear(x, s[p + "gate_proj.weight"])) * _linear(x, s[p + "up_proj.weight"])
+  else:
+    hidden = _PLAIN[activation](_linear(x, s[p + "up_proj.weight"]))
+  return _linear(hidden, s[p + "down_proj.weight"])
 
 
 def _self_attention(x, s, p, r, attention_mask, use_rope):
@@ -430,7 +450,7 @@ def mocpt_forward(model_cfg: dict, memory_cfg: dict, state: dict, input_ids, att
       return h + _memory_attention(x, mem, s, p + "memory_attn.", r)
 
     def mlp_step(h, norm="post_attention_layernorm", mlp="mlp"):
-      return h + _swiglu(_rms_norm(h, s[p + norm + ".weight"], eps), s, p + mlp + ".")
+      return h + _mlp(_rms_norm(h, s[p + norm + ".weight"], eps), s, p + mlp + ".", _activation(model_cfg))
 
     if mem is None:
       h = mlp_step(h)

@@ -98,6 +98,13 @@ VARIANTS = {
                                         "use_auxiliary_loss": True, "auxiliary_loss_coefficient": 5.0}, True),
     "all_router_losses_unpadded": ({}, {"use_auxiliary_loss": True, "auxiliary_loss_coefficient": 5.0,
                                         "load_balance_coefficient": 0.05, "z_loss_coefficient": 0.01}, False),
+    # MoC-PT's plain MLPs (no gate_proj), in the block's MLP and variant B's post-memory one
+    "gelu_variant_B": ({"hidden_activation": "gelu"}, {"memory_block_variant": "B"}, True),
+    "relu_shared0_all": ({"hidden_activation": "relu"}, {"num_shared_chapters": 0, "memory_layer_placement": "all"},
+                         True),
+    "silu_upper_case": ({"hidden_activation": "SiLU"}, {}, True),
+    "sigmoid": ({"hidden_activation": "sigmoid"}, {}, False),
+    "tanh": ({"hidden_activation": "tanh"}, {}, True),
     "mixed_B_sa_mqa_memgqa_shared2_layernorm": ({"num_kv_heads": 1},
                                                 {"memory_block_variant": "B", "memory_num_heads": 8,
                                                  "memory_num_kv_heads": 2, "num_shared_chapters": 2,

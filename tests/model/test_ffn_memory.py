@@ -111,6 +111,7 @@ def test_parameters_and_flops_by_hand():
 @pytest.mark.parametrize("overrides, field", [
     ({"memory.routing": "prefix"}, "memory.routing"),
     ({"memory.block_variant": "B"}, "memory.block_variant"),
+    ({"model.hidden_activation": "gelu"}, "model.hidden_activation"),  # the columns widen a SwiGLU MLP
     ({"memory.num_chapters": 26}, "memory.num_chapters"),
     ({"memory.cluster_chapters": (0, 0)}, "memory.cluster_chapters"),
     ({"data.cluster.k": 0}, "data.cluster.k")])

@@ -1,4 +1,6 @@
 """Backbone blocks against float64 numpy, and the masking properties of the whole model."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,13 +126,30 @@ def test_rmsnorm(eps):
 
 def test_swiglu():
   cfg = moc_jax.load_config("configs/moc.py:tiny", F32)
-  mlp = layers.SwiGLU(cfg, nnx.Rngs(params=0))
+  mlp = layers.MLP(cfg, nnx.Rngs(params=0))
   rng = np.random.default_rng(4)
   x = rng.normal(size=(2, 5, cfg.model.d_model)).astype(np.float32)
   wg, wu, wd = (np.asarray(m.kernel.value, np.float64) for m in (mlp.gate, mlp.up, mlp.down))
   assert wg.shape == wu.shape == (64, 192) and wd.shape == (192, 64)
   g = x @ wg
   ref = ((g / (1 + np.exp(-g))) * (x @ wu)) @ wd
+  out = np.asarray(nnx.jit(lambda m, x: m(x))(mlp, jnp.asarray(x)))
+  np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+
+
+PLAIN = {"silu": lambda u: u / (1 + np.exp(-u)), "relu": lambda u: np.maximum(u, 0),
+         "gelu": lambda u: 0.5 * u * (1 + np.vectorize(math.erf)(u / math.sqrt(2))),
+         "sigmoid": lambda u: 1 / (1 + np.exp(-u)), "tanh": np.tanh}
+
+
+@pytest.mark.parametrize("activation", sorted(PLAIN))
+def test_a_plain_mlp_has_no_gate_and_applies_its_activation_between_up_and_down(activation):
+  cfg = moc_jax.load_config("configs/moc.py:tiny", {**F32, "model.hidden_activation": activation})
+  mlp = layers.MLP(cfg, nnx.Rngs(params=0))
+  assert not hasattr(mlp, "gate")
+  x = np.random.default_rng(5).normal(size=(2, 5, cfg.model.d_model)).astype(np.float32)
+  wu, wd = (np.asarray(m.kernel.value, np.float64) for m in (mlp.up, mlp.down))
+  ref = PLAIN[activation](x @ wu) @ wd
   out = np.asarray(nnx.jit(lambda m, x: m(x))(mlp, jnp.asarray(x)))
   np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
 

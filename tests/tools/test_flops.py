@@ -100,6 +100,21 @@ def test_tiny_standard_layer_by_hand():
   assert e["head"]["total"] == t * (4 * d + 4) + 2 * t * d * 260 + 5 * (t - 1) * 260
 
 
+@pytest.mark.parametrize("activation, per_element", [("gelu", 8), ("relu", 1), ("silu", 4), ("sigmoid", 4),
+                                                     ("tanh", 4)])
+def test_tiny_standard_layer_with_a_plain_mlp_by_hand(activation, per_element):
+  """model.hidden_activation: no gate projection, the activation at MoC-PT's cost per hidden element (its
+  scripts/estimate_flops.py ACTIVATION_FLOPS); the same layer as above otherwise. Its parameters lose the gates."""
+  config = moc_jax.load_config("configs/moc.py:tiny", {"model.hidden_activation": activation})
+  e = flops.estimate(config, 1, 128)
+  t, d, kv, f = 128, 64, 32, 192
+  attention = 2 * (2 * t * d * d) + 2 * (2 * t * d * kv) + 4 * t * t * d + (5 + 2) * 4 * t * t
+  layer = attention + 3 * t * (d + kv) + 2 * t * (4 * d + 4) + 2 * (2 * t * d * f) + per_element * t * f + 2 * t * d
+  assert e["standard_layer"]["total"] == layer
+  gated = moc_jax.count_params(moc_jax.load_config("configs/moc.py:tiny"))["backbone"]
+  assert moc_jax.count_params(config)["backbone"] == gated - config.model.num_layers * d * f
+
+
 def test_linear_in_batch():
   """Every count is linear in the batch except the LB and MSE aux terms (reductions over chapters only)."""
   c = _paper()
