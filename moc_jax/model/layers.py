@@ -182,9 +182,9 @@ PLAIN_ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "gelu": lambda x:
 
 class MLP(nnx.Module):
   """SwiGLU (model.hidden_activation 'swiglu', the paper's: down(silu(gate x) * up x)) or a plain MLP (down(act(up
-  x)), no gate). The plain ones are MoC-PT's other choices; they also store more facts per parameter than a gated MLP
-  over short training (Allen-Zhu & Li 2024, "Physics of Language Models, Part 3.3"), which a capacity study may
-  want."""
+  x)), no gate). The plain ones are MoC-PT's other choices; Allen-Zhu & Li 2024 ("Physics of Language Models, Part
+  3.3") find them storing more facts per parameter than a gated MLP over short training, which a study of capacity
+  may want to use."""
 
   def __init__(self, cfg, rngs):
     m = cfg.model
