@@ -142,6 +142,13 @@ PLAIN = {"silu": lambda u: u / (1 + np.exp(-u)), "relu": lambda u: np.maximum(u,
          "sigmoid": lambda u: 1 / (1 + np.exp(-u)), "tanh": np.tanh}
 
 
+def test_every_hidden_activation_the_config_accepts_is_built_and_counted():
+  from moc_jax import flops
+  from moc_jax.config.schema import HIDDEN_ACTIVATIONS
+  assert set(HIDDEN_ACTIVATIONS) == {"swiglu", *layers.PLAIN_ACTIVATIONS} == {"swiglu", *flops.PLAIN_ACTIVATION}
+  assert set(PLAIN) == set(layers.PLAIN_ACTIVATIONS)  # each one checked below against numpy
+
+
 @pytest.mark.parametrize("activation", sorted(PLAIN))
 def test_a_plain_mlp_has_no_gate_and_applies_its_activation_between_up_and_down(activation):
   cfg = moc_jax.load_config("configs/moc.py:tiny", {**F32, "model.hidden_activation": activation})
