@@ -52,7 +52,9 @@ kept (the steps scale with N: `moc,bound,entities=2048` is half the `bound` stud
 narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
 `NAME,warm=N`: the first WARMUP_STEPS updates about N entities only instead of WARM_ENTITIES (`warm=0`: no
 curriculum); `NAME,ramp=N`: the N updates after those about a set of entities growing geometrically from the
-curriculum's to all of them instead of all at once (a shorter run of a sweep has a ramp as long in proportion).
+curriculum's to all of them instead of all at once (a shorter run of a sweep has a ramp as long in proportion);
+`NAME,words`: the same documents in the `facts` tokenizer's words (moc_jax.data.tokenizers) instead of bytes: rows
+of WORD_ROW tokens instead of 192, 754 ids instead of 260.
 """
 from moc_jax.config import schema, sibling
 
@@ -64,6 +66,10 @@ DOCS_PER_ENTITY = 50
 # these facts up (docs/results/2026-11-28-capacity-levers.md; the d 64 one at 2,048 entities was still taking them up
 # at 200: 2026-11-28-capacity-curriculum.md), so that the gate can tell room from exposure.
 BOUND_DOCS_PER_ENTITY = 400
+# The `words` modifier's rows (data.tokenizer=facts): a biography is at most 35 words and marks (a name of at most 6
+# syllables, its colon, 9 clauses of key, value and separator, the employer's two words) and its EOS; at least 33,
+# so two never share a row either.
+WORD_ROW = 36
 BATCH = 32                  # rows (documents) per update
 LR = 5e-3                   # every parameter group; the arms choose theirs on the `lr` sweep
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
@@ -119,10 +125,11 @@ def memory_arms() -> dict:
   return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
 
 
-def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0):
+def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0, words=False):
   """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
   biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
-  about `warm` entities only (0: no curriculum), the `ramp` updates after them about a set growing from those to all."""
+  about `warm` entities only (0: no curriculum), the `ramp` updates after them about a set growing from those to all;
+  in bytes, or in the `facts` tokenizer's words with `words`."""
   c.model.update(vocab_size=260, max_seq_len=192)
   c.update_from_flattened_dict(NARROW)
   c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=4, num_kv_heads=4,
@@ -132,6 +139,10 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0
     c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=64)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
   c.data.update(seq_len=192, layout="pack_whole")
+  if words:
+    from moc_jax.data.tokenizers import get_tokenizer
+    c.data.update(tokenizer="facts", seq_len=WORD_ROW)
+    c.model.update(vocab_size=get_tokenizer("facts").vocab_size, max_seq_len=WORD_ROW)
   c.data.facts.update(style="biography", zipf_a=0.0, num_entities=entities, num_docs=entities * docs_per_entity,
                       num_val_docs=512)
   steps = entities * docs_per_entity // BATCH
@@ -314,18 +325,20 @@ def _ramp(mods, warm, steps) -> int:
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
-  unknown = {m for m in mods if m != "bound" and not m.startswith(("entities=", "readings=", "warm=", "ramp="))}
+  unknown = {m for m in mods if m not in ("bound", "words")
+             and not m.startswith(("entities=", "readings=", "warm=", "ramp="))}
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes `bound`, "
-                     "`readings=N`, `entities=N`, `warm=N` and `ramp=N` (e.g. "
+                     "`words`, `readings=N`, `entities=N`, `warm=N` and `ramp=N` (e.g. "
                      "`configs/capacity.py:moc,bound,entities=1024`)")
   docs_per_entity = _readings(mods)
   entities = _entities(mods, docs_per_entity)
   warm = _warm(mods, entities)
   ramp = _ramp(mods, warm, entities * docs_per_entity // BATCH)
-  base = _study(schema.base_config(), docs_per_entity, entities, warm, ramp)
+  base = _study(schema.base_config(), docs_per_entity, entities, warm, ramp, words="words" in mods)
   base.update_from_flattened_dict(models[name](base))
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
   base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
-               + (f"-w{warm}" if warm != _default_warm(entities) else "") + (f"-ramp{ramp}" if ramp else ""))
+               + (f"-w{warm}" if warm != _default_warm(entities) else "") + (f"-ramp{ramp}" if ramp else "")
+               + ("-words" if "words" in mods else ""))
   return base

@@ -224,7 +224,7 @@ def data_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.name = "moc_facts"          # moc_facts | tfds:<name>[/config] | arrayrecord:<dir> | chat:<path.jsonl>
   c.data_dir = os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR)
-  c.tokenizer = "byte"          # byte | hf:<tokenizer.json> | sp:<model.model>
+  c.tokenizer = "byte"          # byte | facts | hf:<tokenizer.json> | sp:<model.model>
   # pack (concatenated, split into rows) | pack_whole (whole documents per row, first fit, the rest padded) |
   # pad_truncate (MoC-PT: one document per row, truncated, right-padded); data/pipeline.py
   c.layout = "pack"

@@ -121,6 +121,33 @@ ORDERS = ("shuffled", "stream")
 BIOGRAPHY_KEYS = {"birth_city": "city", "birth_year": "year", "profession": "job", "employer": "employer",
                   "colour": "colour", "instrument": "plays", "sport": "sport", "food": "food", "pet": "pet"}
 
+# The `facts` tokenizer's word mark (moc_jax.data.tokenizers): a piece that starts with it follows a space.
+WORD_MARK = "\u2581"
+_PUNCTUATION = (":", ";", ".", ",", "'s", "'")
+
+
+def vocabulary() -> tuple[str, ...]:
+  """Every piece moc_facts writes, in a fixed order: the pieces of the `facts` tokenizer, which spends one token on a
+  value, a key or a template word instead of a byte each (a biography of about 150 bytes is about 35 tokens, so a
+  reading of it costs a quarter of the byte-level compute). Names are syllables (each capitalized, after a space or
+  not, and in lower case inside a name); every other word is whole, after a space (WORD_MARK), and a template's
+  first word also without it (a text's start, where no space precedes it); WORD_MARK alone is a space before a space
+  or at a text's end. Anything else is spelt in bytes."""
+  words, openers = [BIOGRAPHY_KEYS[a] for a in _ATTRS], []
+  for values, templates, held_out in ATTRIBUTES.values():
+    words += [w for v in values for w in v.split()]
+    for template in (*templates, held_out):
+      text = template.replace("{name}", " ").replace("{value}", " ")
+      for mark in _PUNCTUATION:
+        text = text.replace(mark, " ")
+      words += text.split()
+      if not template.startswith("{name}"):
+        openers.append(template.split()[0].rstrip(","))
+  syllables = [s.capitalize() for s in _SYLLABLES]
+  pieces = [WORD_MARK, *syllables, *(WORD_MARK + s for s in syllables), *_SYLLABLES, *_PUNCTUATION,
+            *(WORD_MARK + w for w in words), *openers]
+  return tuple(dict.fromkeys(pieces))  # first occurrence kept: the order is the code's
+
 
 @dataclasses.dataclass(kw_only=True)
 class MocFactsConfig(tfds.core.BuilderConfig):

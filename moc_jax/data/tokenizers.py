@@ -105,13 +105,16 @@ class HFTokenizer(Tokenizer):
     path = os.path.abspath(os.path.expanduser(path))
     _require_file(path, "HF tokenizer", "Save one with `AutoTokenizer.from_pretrained(name).backend_tokenizer"
                   ".save('tokenizer.json')` on a machine with network, or copy the model's tokenizer.json here.")
-    self._tok = tokenizers.Tokenizer.from_file(path)
-    self.spec, self.fingerprint = f"hf:{path}", _file_fingerprint(path)
+    self._bind(tokenizers.Tokenizer.from_file(path), f"hf:{path}", _file_fingerprint(path))
+
+  def _bind(self, tok, spec, fingerprint):
+    """Takes `tok` (a `tokenizers.Tokenizer`) and finds its special ids."""
+    self._tok, self.spec, self.fingerprint = tok, spec, fingerprint
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     lookup = self._tok.token_to_id
     self.eos_id = _first_known(lookup, _EOS_NAMES)
     if self.eos_id is None:
-      raise DataError(f"HF tokenizer {path!r} has none of the end-of-sequence tokens {list(_EOS_NAMES)}")
+      raise DataError(f"HF tokenizer {spec!r} has none of the end-of-sequence tokens {list(_EOS_NAMES)}")
     self.bos_id = _first_known(lookup, _BOS_NAMES, self.eos_id)
     self.pad_id = _first_known(lookup, _PAD_NAMES, self.eos_id)
     self.eot_id = _first_known(lookup, _EOT_NAMES, self.eos_id)
@@ -125,6 +128,31 @@ class HFTokenizer(Tokenizer):
 
   def decode(self, ids):
     return self._tok.decode([int(i) for i in ids])
+
+
+class FactsTokenizer(HFTokenizer):
+  """moc_facts's words (moc_jax.data.facts.vocabulary), built in memory with no file: bytes 0..255 at ids 0..255
+  (the fallback of any text outside the vocabulary) and the specials at 256..259 as in ByteTokenizer, then unk and
+  one piece per word. A segmentation uses the fewest pieces (a unigram model of equal scores), so a biography
+  costs about a quarter of its bytes in tokens; a space starts the next piece, so a probe's answer is the same
+  tokens after its prompt as inside a document."""
+
+  def __init__(self):
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from moc_jax.data.facts import WORD_MARK, vocabulary
+    specials = ["<pad>", "<eos>", "<s>", "<|im_end|>"]
+    pieces = [(f"<0x{b:02X}>", 0.0) for b in range(256)] + [(t, 0.0) for t in specials] + [("<unk>", 0.0)]
+    pieces += [(piece, -1.0) for piece in vocabulary()]
+    tok = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=260, byte_fallback=True))
+    # "<" alone: no text spells a byte's piece (<0x41>) or a special's; moc_facts never writes it
+    words = pre_tokenizers.Metaspace(replacement=WORD_MARK, prepend_scheme="never")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("<", "isolated"), words])
+    tok.decoder = decoders.Sequence([decoders.Replace(WORD_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens(specials)
+    digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]  # pieces, scores, splitting and decoding
+    self._bind(tok, "facts", f"facts-{digest}")
 
 
 class SPTokenizer(Tokenizer):
@@ -166,7 +194,7 @@ _CACHE: dict[str, Tokenizer] = {}
 
 
 def get_tokenizer(spec: str) -> Tokenizer:
-  """'byte' | 'hf:<tokenizer.json>' | 'sp:<model.model>' -> a (cached) Tokenizer."""
+  """'byte' | 'facts' | 'hf:<tokenizer.json>' | 'sp:<model.model>' -> a (cached) Tokenizer."""
   if spec not in _CACHE:
     kind, _, path = spec.partition(":")
     if kind == "byte" and not path:
@@ -175,9 +203,11 @@ def get_tokenizer(spec: str) -> Tokenizer:
       _CACHE[spec] = HFTokenizer(path)
     elif kind == "sp" and path:
       _CACHE[spec] = SPTokenizer(path)
+    elif kind == "facts" and not path:
+      _CACHE[spec] = FactsTokenizer()
     else:
-      raise DataError(f"config.data.tokenizer: unknown spec {spec!r}; use 'byte', 'hf:<path/tokenizer.json>' "
-                      "or 'sp:<path/model.model>'")
+      raise DataError(f"config.data.tokenizer: unknown spec {spec!r}; use 'byte', 'facts', "
+                      "'hf:<path/tokenizer.json>' or 'sp:<path/model.model>'")
   return _CACHE[spec]
 
 

@@ -75,3 +75,47 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(hf_path, tmp_path):
   assert not (tmp_path / "run" / "config.json").exists()
   bigger = moc_jax.load_config("configs/moc.py:tiny", {"data.tokenizer": f"hf:{hf_path}", "model.vocab_size": 300})
   assert model_tokenizer(bigger).vocab_size == 300
+
+
+def _facts_corpus(style, **sizes):
+  from moc_jax.config import data_config
+  from moc_jax.data.facts import MocFactsConfig, generate
+  c = data_config().facts
+  c.update(style=style, num_entities=64, num_docs=400, num_val_docs=40, **sizes)
+  return generate(MocFactsConfig.for_sizes(c))
+
+
+def test_facts_tokenizer_spends_a_token_on_a_word_and_a_syllable_on_a_name():
+  """A biography by hand: 3 + 3 syllables, the colon, 9 clauses of key, value and separator (the employer's value is
+  two words): 35 tokens for 152 bytes. Bytes keep ids 0..255 and the specials 256..259, as in ByteTokenizer."""
+  tok = get_tokenizer("facts")
+  text = ("Corfenbel Rinjofen: sport fencing; plays flute; food goulash; colour violet; employer Ivorygate Labs; "
+          "job locksmith; year 1926; city Pinewick; pet rabbit.")
+  pieces = [tok._tok.id_to_token(i) for i in tok.encode(text)]
+  clauses = [piece for clause in text.split(": ")[1].rstrip(".").split("; ")
+             for piece in ["▁" + w for w in clause.split()] + [";"]]
+  assert pieces == ["Cor", "fen", "bel", "▁Rin", "jo", "fen", ":", *clauses[:-1], "."]
+  assert len(pieces) == 35 and tok.decode(tok.encode(text)) == text
+  assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.eot_id) == (256, 257, 258, 259) and tok.vocab_size == 754
+  assert tok.encode("é\n") == [0xC3, 0xA9, 0x0A]  # outside the vocabulary: its UTF-8 bytes
+  assert tok.decode([tok.bos_id, *tok.encode("x"), tok.eos_id, tok.pad_id]) == "x"  # specials are not text
+
+
+@pytest.mark.parametrize("style", ["biography", "mixed"])
+def test_facts_tokenizer_round_trips_and_a_probe_answer_is_its_document_tokens(style):
+  """Every text moc_facts writes decodes to itself; a probe's prompt then its answer are the tokens of the two
+  together (the scorer encodes them apart), and every value word is one token after a space."""
+  from moc_jax.data.facts import ATTRIBUTES
+  tok = get_tokenizer("facts")
+  corpus = _facts_corpus(style)
+  for split in ("train", "validation", "paraphrase", "probes"):
+    for example in corpus[split]:
+      assert tok.decode(tok.encode(example["text"])) == example["text"]
+  for p in corpus["probes"]:
+    assert tok.encode(f"{p['prompt']} {p['answer']}") == tok.encode(p["prompt"]) + tok.encode(f" {p['answer']}")
+  for values, _, _ in ATTRIBUTES.values():
+    for value in values:
+      assert len(tok.encode(f" {value}")) == len(value.split()), value
+  for text in ("Grüße, 世界! \n\t  x ", "  two  spaces ", "<0x41> is not a byte token", "<unk> a <b", ""):
+    assert tok.decode(tok.encode(text)) == text
+  assert tok.encode("<|im_end|>") == [tok.eot_id]  # a special's name is the special, as in HF tokenizers

@@ -123,6 +123,28 @@ def test_the_config_sizes_the_study_from_capacity():
   assert not iso.memory.enabled and iso.model.d_model == narrow.model.d_model
 
 
+def test_words_rows_hold_every_biography_of_the_study_whole_and_never_two():
+  """`words`: the longest biography the default corpus can write (its longest name in tokens, the colon, every
+  attribute's key and its longest value, 8 semicolons and the full stop) and its EOS fit WORD_ROW; the shortest is
+  over half a row. Counted from the tokenizer on every name and value, not from the documents the seed drew."""
+  from moc_jax import load_config
+  from moc_jax.data.facts import ATTRIBUTES, BIOGRAPHY_KEYS, MocFactsConfig, generate
+  from moc_jax.data.tokenizers import get_tokenizer
+  words = load_config("configs/capacity.py:dense,words")
+  tok = get_tokenizer(words.data.tokenizer)
+  assert (words.data.seq_len, words.model.max_seq_len, words.model.vocab_size) == (36, 36, tok.vocab_size)
+  facts = words.data.facts.copy_and_resolve_references()
+  facts.update(num_docs=facts.num_entities, warmup_entities=0, warmup_docs=0, ramp_docs=0)
+  names = {p["entity"] for p in generate(MocFactsConfig.for_sizes(facts))["probes"]}
+  assert len(names) == 4096
+  name_tokens = [len(tok.encode(n)) for n in names]
+  clause = lambda attr, pick: 1 + pick(len(tok.encode(f" {v}")) for v in ATTRIBUTES[attr][0])  # key, value
+  longest = max(name_tokens) + 1 + sum(clause(a, max) for a in BIOGRAPHY_KEYS) + len(BIOGRAPHY_KEYS) + 1  # EOS
+  shortest = min(name_tokens) + 1 + sum(clause(a, min) for a in BIOGRAPHY_KEYS) + len(BIOGRAPHY_KEYS) + 1
+  assert (max(name_tokens), longest, shortest) == (6, 36, 34)
+  assert longest <= words.data.seq_len < 2 * shortest
+
+
 def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   from moc_jax import load_config
   default, bound = load_config("configs/capacity.py:dense"), load_config("configs/capacity.py:dense,bound")
@@ -131,8 +153,8 @@ def test_bound_reads_each_entity_eight_times_as_often_in_as_many_more_steps():
   assert bound.train.steps == 8 * default.train.steps == 51_200 and bound.train.warmup_steps == 1600
   assert (bound.train.eval_every, bound.train.checkpoint_every) == (12_800, 3200)
   assert bound.name == "capacity-dense-bound"
-  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `readings=N`, `entities=N`, "
-                                       "`warm=N` and `ramp=N`"):
+  with pytest.raises(ValueError, match="unknown modifiers.*'huge'.*takes `bound`, `words`, `readings=N`, "
+                                       "`entities=N`, `warm=N` and `ramp=N`"):
     load_config("configs/capacity.py:moc,huge")
 
 
