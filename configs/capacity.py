@@ -41,7 +41,9 @@ on this CPU, over the 8 h it was meant to fit, its gate about 9.5 h (preflight 0
 wide 6.2),
 run in parts: each run resumes from its last of CHECKPOINTS checkpoints. Rows per update do not buy speed here: a
 step of 32, 64 or 128 rows costs about the same per row (11.9 to 12.2 ms for the narrow backbone, 25 to 29 for MoC,
-beside two training runs: the preflight record's `step_ratio` command).
+beside two training runs: the preflight record's `step_ratio` command). In words (`NAME,words`) a step costs a
+seventh of that for the narrow backbone, a quarter for the wide, a half for MoC, and 100 readings teach the narrow
+backbone most of 4,096 entities' facts (docs/results/2026-11-29-capacity-words.md): the sizes above are the bytes'.
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
