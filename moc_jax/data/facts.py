@@ -129,7 +129,7 @@ _PUNCTUATION = (":", ";", ".", ",", "'s", "'")
 def vocabulary() -> tuple[str, ...]:
   """Every piece moc_facts writes, in a fixed order: the pieces of the `facts` tokenizer, which spends one token on a
   value, a key or a template word instead of a byte each (a biography of about 150 bytes is about 35 tokens, so a
-  reading of it costs a quarter of the byte-level compute). Names are syllables (each capitalized, after a space or
+  reading of it costs about a sixth of the byte-level FLOPs). Names are syllables (each capitalized, after a space or
   not, and in lower case inside a name); every other word is whole, after a space (WORD_MARK), and a template's
   first word also without it (a text's start, where no space precedes it); WORD_MARK alone is a space before a space
   or at a text's end. Anything else is spelt in bytes."""
