@@ -143,9 +143,10 @@ class FactsTokenizer(HFTokenizer):
 
     from moc_jax.data.facts import WORD_MARK, vocabulary
     specials = ["<pad>", "<eos>", "<s>", "<|im_end|>"]
-    pieces = [(f"<0x{b:02X}>", 0.0) for b in range(256)] + [(t, 0.0) for t in specials] + [("<unk>", 0.0)]
-    pieces += [(piece, -1.0) for piece in vocabulary()]
-    tok = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=260, byte_fallback=True))
+    pieces = [(f"<0x{b:02X}>", 0.0) for b in range(256)] + [(t, 0.0) for t in specials]
+    unk_id = len(pieces)
+    pieces += [("<unk>", 0.0)] + [(piece, -1.0) for piece in vocabulary()]
+    tok = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=unk_id, byte_fallback=True))
     # "<" alone: no text spells a byte's piece (<0x41>) or a special's; moc_facts never writes it
     words = pre_tokenizers.Metaspace(replacement=WORD_MARK, prepend_scheme="never")
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("<", "isolated"), words])
