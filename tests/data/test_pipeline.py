@@ -207,6 +207,19 @@ def test_processes_read_disjoint_records_covering_the_data(numbered, tmp_path):
     make_train_iterator(c, process_index=2, process_count=2)
 
 
+def test_records_come_in_the_shuffled_key_order_across_read_batches_and_epochs(numbered, tmp_path):
+  """Records are read many keys at a time (pipeline._READ_BATCH); the stream must still be grain's shuffled,
+  repeated, per-process key order, one record per key: 3 passes over 50 records cross read batches and epochs."""
+  import grain
+
+  from moc_jax.data import pipeline
+  for process_index in range(2):
+    c = _config(str(tmp_path), name=f"arrayrecord:{numbered}", layout="pad_truncate", batch_size=5, seed=7)
+    keys = grain.MapDataset.range(50).shuffle(seed=pipeline._shuffle_seed(7)).repeat(None)[process_index::2]
+    want = [f"document number {keys[i]}." for i in range(75)]
+    assert _texts(_take(make_train_iterator(c, process_index=process_index, process_count=2), 15)) == want
+
+
 def _record(text_or_ids):
   ids = BYTE.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
   return np.asarray(ids, "<u2").tobytes()

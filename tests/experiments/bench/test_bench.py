@@ -13,6 +13,7 @@ from experiments.bench import (
   bank_scaling,
   common,
   cpu_peak,
+  input_pipeline,
   moc_vs_vanilla,
   routed_attention,
   step_profile,
@@ -294,3 +295,14 @@ def test_step_ratio_needs_a_config(capsys):
   with pytest.raises(SystemExit) as exit_info:
     step_ratio.main([f"--config={TINY}", "--batch_size=32,0"])
   assert exit_info.value.code == 2 and "--batch_size=32,0: give sizes of at least 1" in capsys.readouterr().err
+
+
+def test_input_pipeline(capsys):
+  """Every config timed as often, its rates from its median batch time and its own batch shape."""
+  r = _run(input_pipeline, [f"--config={TINY}", "--config=configs/vanilla.py:tiny", "--rounds=2",
+                            "--batches_per_round=1", "--set", "data.seq_len=64"], capsys)
+  assert [row["config"] for row in r["rows"]] == [TINY, "configs/vanilla.py:tiny"]
+  for row in r["rows"]:
+    data = common.load(row["config"], None, {"data.seq_len": 64})[0].data
+    assert row["batch"]["n"] == 2
+    assert row["tokens_per_s"] == pytest.approx(data.batch_size * 64 / row["batch"]["median_s"])
