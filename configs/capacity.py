@@ -6,8 +6,18 @@ attributes of one entity in one line of 133 to 183 bytes with its EOS, so a 192-
 one and never two: 79% of the slots scored, as with pad_truncate's rows; 256-token rows score 59%), entities drawn
 uniformly (zipf_a = 0), each read DOCS_PER_ENTITY times in one pass, against a backbone too small to hold them.
 
-Sizing (count_params, moc_jax.data.facts.fact_bits, moc_jax.flops; tests/experiments/test_capacity.py checks the
-ratios):
+The study's default (experiments/capacity.py DEFAULT_CONFIG: `moc,words,entities=8192,readings=400,ramp=25600`) is
+the size whose gate passed (docs/results/2026-11-30-capacity-gate-d32.md): the biographies in the `facts` tokenizer's
+words (36-token rows), 8,192 entities x 42.97 bits = 352.0 kbit of facts, each entity read 400 times, against the d 32
+narrow backbone (24,736 parameters without the tied embedding: 14.2 bits of facts per parameter; it takes them up in
+words, not in bytes) and the d 64 wide one (98,624: 3.57); memories of about 66k parameters (SHAPES["facts"]); the
+iso-FLOP dense model SwiGLU 272. So far over capacity, twice the readings add little recall to a backbone that is full
+(the gate's plateau check); at 3.57 bits per parameter the d 64 backbone still gained +0.055
+(docs/results/2026-11-29-capacity-gate-words.md). A narrow run is 102,400 updates, about half an hour on the 2-core
+AMD EPYC alone; the study about 44 narrow runs, about 22 h (the record has the step ratios).
+
+Sizing in bytes, the earlier default (count_params, moc_jax.data.facts.fact_bits, moc_jax.flops;
+tests/experiments/test_capacity.py checks the ratios of both):
 
   facts     42.97 bits per entity (Σ log2 of the nine value pools) x 4,096 entities = 176.0 kbit
   narrow    d 64, 2 layers, 4 heads (2 KV), SwiGLU 192: 98,624 parameters without the tied embedding (115,264 with
@@ -36,27 +46,27 @@ sweep 3 rates x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at 
 runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour; but its preflight
 recalls 0.772 of the 0.9 the gate needs: 50 readings do not teach the backbone even 256 entities. At the readings
 that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recalls 1.000; both in
-docs/results/2026-11-29-capacity-preflight.md) the study, `python -m experiments.capacity`'s default, is about 114 h
-on this CPU, over the 8 h it was meant to fit, its gate about 9.5 h (preflight 0.2, narrow 2.8 and its cool-down 0.3,
+docs/results/2026-11-29-capacity-preflight.md) the study in bytes (`moc,bound,ramp=12800`) is about 114 h on this
+CPU, over the 8 h it was meant to fit, its gate about 9.5 h (preflight 0.2, narrow 2.8 and its cool-down 0.3,
 wide 6.2),
 run in parts: each run resumes from its last of CHECKPOINTS checkpoints. Rows per update do not buy speed here: a
 step of 32, 64 or 128 rows costs about the same per row (11.9 to 12.2 ms for the narrow backbone, 25 to 29 for MoC,
 beside two training runs: the preflight record's `step_ratio` command). In words (`NAME,words`) a step costs a
 seventh of that for the narrow backbone, a quarter for the wide, a half for MoC, and 100 readings teach the narrow
-backbone most of 4,096 entities' facts (docs/results/2026-11-29-capacity-words.md): the sizes above are the bytes'.
+backbone most of 4,096 entities' facts (docs/results/2026-11-29-capacity-words.md).
 
 NAME: `moc` (the study's base and its MoC arm: routed + prefix + attention pooling, causal), `dense` (the narrow
 backbone), `wide`, `preflight`, `iso` (the iso-FLOP dense model: SwiGLU widened to the model FLOPs per token of the
 costliest memory arm, every bank projection its routing computes included), and `pkm`, `hml` where the schema has
-`memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity (the study's default is
-`--config=configs/capacity.py:moc,bound,ramp=12800`); `NAME,entities=N`: N entities instead of ENTITIES, the readings per entity
-kept (the steps scale with N: `moc,bound,entities=2048` is half the `bound` study's steps at 0.89 bits of facts per
-narrow parameter); `NAME,readings=N`: N readings per entity (the steps scale with N; `readings=400` is `bound`);
+`memory.kind`; `NAME,bound`: the same at BOUND_DOCS_PER_ENTITY readings per entity; `NAME,entities=N`: N entities
+instead of ENTITIES, the readings per entity kept (the steps scale with N: `moc,bound,entities=2048` is half the
+`bound` study's steps at 0.89 bits of facts per narrow parameter); `NAME,readings=N`: N readings per entity (the
+steps scale with N; `readings=400` is `bound`);
 `NAME,warm=N`: the first WARMUP_STEPS updates about N entities only instead of WARM_ENTITIES (`warm=0`: no
 curriculum); `NAME,ramp=N`: the N updates after those about a set of entities growing geometrically from the
 curriculum's to all of them instead of all at once (a shorter run of a sweep has a ramp as long in proportion);
 `NAME,words`: the same documents in the `facts` tokenizer's words (moc_jax.data.tokenizers) instead of bytes: rows
-of WORD_ROW tokens instead of 192, 754 ids instead of 260.
+of WORD_ROW tokens instead of 192, 754 ids instead of 260, and the models of SHAPES["facts"].
 """
 from moc_jax.config import schema, sibling
 
@@ -73,7 +83,6 @@ BOUND_DOCS_PER_ENTITY = 400
 # so two never share a row either.
 WORD_ROW = 36
 BATCH = 32                  # rows (documents) per update
-LR = 5e-3                   # every parameter group; the arms choose theirs on the `lr` sweep
 EVALS = 4                   # evaluations after step 0 along a run of the config's steps: the learning curve
 CHECKPOINTS = 16            # along a run: an interrupted run (a run of the `bound` size takes hours) loses at most 1/16
 PREFLIGHT_ENTITIES = 256
@@ -86,45 +95,83 @@ WARM_ENTITIES = 64
 # The gate's plateau check: the narrow run's recall against that of the run of this share of its steps, measured in
 # the same run (train.cooldowns: its decay costs a tenth of the narrow run, where a run of its own cost half).
 GATE_COOLDOWN = 0.5
-LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of LR
+LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of the representation's (SHAPES `lr`)
 LR_STEPS = 0.25             # ... trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
                             # is the one the gate and the arms ran on, so the confirmation is on corpora nothing chose)
 NO_MEMORY = moc.NO_MEMORY
-# The narrow backbone: 2 layers at d 64, the smallest of those measured whose uptake of facts is reliable over seeds
-# with the curriculum (docs/results/2026-11-28-capacity-curriculum.md); d 32 at 2 layers stayed at chance on 1,024
-# entities (docs/results/2026-11-29-capacity-backbone.md).
-NARROW = {"model.d_model": 64, "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2,
-          "model.mlp_dim": 192}
-# Twice the width (4x the parameters), at half the rate: Adam's step on a hidden matrix should shrink as its width
-# grows (muP), and the gate must not handicap either model with the other's rate.
-WIDE = {"model.d_model": 128, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 384,
-        "train.base_lr": LR / 2, "train.memory_lr": LR / 2}
+# The models of each representation (data.tokenizer: `byte`, or `facts` with the `words` modifier). The narrow
+# backbone (2 layers) is the smallest measured that takes the facts up reliably in those tokens, at its rate `lr`; the
+# wide one is twice its width (4x the parameters) at half the rate: Adam's step on a hidden matrix should shrink as its
+# width grows (muP), and the gate must not handicap either model with the other's rate. Each memory is about 2.7x the
+# narrow backbone's parameters (`arms`: the sizes an arm changes), read by both layers.
+SHAPES = {
+    # d 64: its uptake is reliable over seeds with the curriculum (docs/results/2026-11-28-capacity-curriculum.md);
+    # d 32 stayed at chance on 1,024 entities (docs/results/2026-11-29-capacity-backbone.md). A bank of 257 chapters
+    # x 16 tokens; pkm 64^2 slots x 64; hml two tables of 91^2 x 16; the cluster arm the same bank; FFN memory 1,370
+    # columns of 3 x 64 split evenly between the levels (1370 // 32 = 42 per level-0 node, 1370 // 512 = 2 per leaf:
+    # 1,184 columns, 44 fetched per token).
+    "byte": {"lr": 5e-3,
+             "narrow": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
+             "wide": {"model.d_model": 128, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 384},
+             "memory": {"memory.num_tokens": 257 * 16, "memory.num_chapters": 257, "memory.num_heads": 4,
+                        "memory.num_kv_heads": 4},
+             "pkm": {"memory.pkm_sub_keys": 64, "memory.pkm_key_dim": 64},
+             "arms": {"hml": {"memory.pkm_sub_keys": 91},
+                      "ffn": {"memory.cluster_chapters": (42, 2), "memory.num_chapters": 1184}}},
+    # d 32 takes the facts up in words (1,024 entities after 200 readings: 0.929; 256 after 400: 1.000:
+    # docs/results/2026-11-30-capacity-gate-d32.md). A bank of 129 chapters x 16 tokens; pkm 45^2 slots x 32; hml
+    # two tables of 45^2 x 16; the cluster arm 257 chapters (one per leaf) x 8 tokens; FFN memory 688 columns of 3 x 32
+    # split evenly between the levels (688 // 32 = 21 per level-0 node, 688 // 512 = 1 per leaf: 592 columns).
+    "facts": {"lr": 1e-2,
+              "narrow": {"model.d_model": 32, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 96},
+              "wide": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
+              "memory": {"memory.num_tokens": 129 * 16, "memory.num_chapters": 129, "memory.num_heads": 2,
+                         "memory.num_kv_heads": 2},
+              "pkm": {"memory.pkm_sub_keys": 45, "memory.pkm_key_dim": 32},
+              "arms": {"hml": {"memory.pkm_sub_keys": 45},
+                       "cluster": {"memory.num_chapters": 257, "memory.num_tokens": 257 * 8},
+                       "ffn": {"memory.cluster_chapters": (21, 1), "memory.num_chapters": 592}}},
+}
 # The arms that fetch memory by the document's path (data/cluster_paths.py): a 16-ary tree of 2 levels, 256 leaves
-# over the 4,096 entities (16 a leaf if the tree finds them). They tell a router's failure from the bank's: the same
-# bank, read by what the document is about instead of by a learned router.
+# over the entities (16 a leaf at 4,096 if the tree finds them). They tell a router's failure from the bank's: a bank
+# read by what the document is about instead of by a learned router.
 TREE = {"data.cluster.k": 16, "data.cluster.levels": 2, "memory.routing": "cluster", "memory.routing_pool": "mean"}
 # Memory arms: the overrides of the base config (itself the MoC arm) and the memory.kind each needs; an arm joins
-# the study when the schema knows its kind.
+# the study when the schema knows its kind. Their sizes are the representation's (SHAPES).
 MEMORY_ARMS = {
     "moc": ({"memory.load_balance": "routed", "memory.routing": "prefix", "memory.routing_pool": "attention"},
             "chapters"),
     "pkm": ({"memory.kind": "pkm"}, "pkm"),
-    # MIDUS: a table per memory block, its values a head wide (16): 91^2 slots make it the others' size
-    "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer", "memory.pkm_sub_keys": 91}, "hml"),
-    # the bank's 257 chapters: the shared one and one per leaf (each document reads 2)
+    # MIDUS: a table per memory block, its values a head wide (16)
+    "hml": ({"memory.kind": "hml", "memory.sharing": "per_layer"}, "hml"),
+    # the shared chapter and one per leaf (each document reads 2)
     "cluster": ({**TREE, "memory.cluster_chapters": (0, 1)}, "chapters"),
-    # FFN memory in the bank's parameters: 1,370 columns of 3 x 64, split evenly between the levels (1370 // 32 = 42
-    # per level-0 node, 1370 // 512 = 2 per leaf: 1,184 columns, 44 fetched per token)
-    "ffn": ({**TREE, "memory.kind": "ffn", "memory.num_shared": 0, "memory.cluster_chapters": (42, 2),
-             "memory.num_chapters": 1184}, "ffn"),
+    # FFN memory in the bank's parameters, as columns of the MLP fetched by the path
+    "ffn": ({**TREE, "memory.kind": "ffn", "memory.num_shared": 0}, "ffn"),
 }
 
 
-def memory_arms() -> dict:
-  """The MEMORY_ARMS whose memory.kind this schema has (`chapters` always: a schema without memory.kind has only it)."""
+def shapes(c) -> dict:
+  """SHAPES of `c`'s representation."""
+  return SHAPES[c.data.tokenizer]
+
+
+def wide(c) -> dict:
+  """The overrides that make `c`'s backbone the wide one: twice the width at half the rate."""
+  lr = shapes(c)["lr"] / 2
+  return {**NO_MEMORY, **shapes(c)["wide"], "train.base_lr": lr, "train.memory_lr": lr}
+
+
+def memory_arms(c) -> dict:
+  """The MEMORY_ARMS whose memory.kind this schema has (`chapters` always: a schema without memory.kind has only it),
+  each with its sizes in `c`'s representation."""
+  return {name: {**MEMORY_ARMS[name][0], **shapes(c)["arms"].get(name, {})} for name in _arm_names()}
+
+
+def _arm_names() -> list[str]:
   kinds = getattr(schema, "MEMORY_KINDS", ("chapters",))
-  return {name: overrides for name, (overrides, kind) in MEMORY_ARMS.items() if kind in kinds}
+  return [name for name, (_, kind) in MEMORY_ARMS.items() if kind in kinds]
 
 
 def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0, words=False):
@@ -132,19 +179,20 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0
   biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
   about `warm` entities only (0: no curriculum), the `ramp` updates after them about a set growing from those to all;
   in bytes, or in the `facts` tokenizer's words with `words`."""
-  c.model.update(vocab_size=260, max_seq_len=192)
-  c.update_from_flattened_dict(NARROW)
-  c.memory.update(num_tokens=257 * 16, num_chapters=257, num_shared=1, top_k=4, num_heads=4, num_kv_heads=4,
-                  layer_indices=(0, 1))
-  c.update_from_flattened_dict(memory_arms()["moc"])
-  if "kind" in c.memory:
-    c.memory.update(pkm_sub_keys=64, pkm_top_k=8, pkm_heads=2, pkm_key_dim=64)
+  c.model.update(vocab_size=260, max_seq_len=192, num_layers=2)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
-  c.data.update(seq_len=192, layout="pack_whole")
+  c.data.update(tokenizer="byte", seq_len=192, layout="pack_whole")
   if words:
     from moc_jax.data.tokenizers import get_tokenizer
     c.data.update(tokenizer="facts", seq_len=WORD_ROW)
     c.model.update(vocab_size=get_tokenizer("facts").vocab_size, max_seq_len=WORD_ROW)
+  c.update_from_flattened_dict(shapes(c)["narrow"])
+  c.memory.update(num_shared=1, top_k=4, layer_indices=(0, 1))
+  c.update_from_flattened_dict(shapes(c)["memory"])
+  c.update_from_flattened_dict(memory_arms(c)["moc"])
+  if "kind" in c.memory:
+    c.memory.update(pkm_top_k=8, pkm_heads=2)
+    c.update_from_flattened_dict(shapes(c)["pkm"])
   c.data.facts.update(style="biography", zipf_a=0.0, num_entities=entities, num_docs=entities * docs_per_entity,
                       num_val_docs=512)
   steps = entities * docs_per_entity // BATCH
@@ -152,7 +200,8 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0
     c.data.facts.update(warmup_entities=warm, warmup_docs=_curriculum_docs(steps, BATCH), ramp_docs=ramp * BATCH)
     c.data.shuffle = False
   # The bank's rows are read rarely, so weight decay would erase what they hold between reads (PKM practice).
-  c.train.update(batch_size=BATCH, decay_start_ratio=0.8, base_lr=LR, memory_lr=LR, bank_weight_decay=0.0,
+  lr = shapes(c)["lr"]
+  c.train.update(batch_size=BATCH, decay_start_ratio=0.8, base_lr=lr, memory_lr=lr, bank_weight_decay=0.0,
                  log_every=50, eval_batches=None, num_probes=4096)
   c.update_from_flattened_dict(_schedule(steps))
   return c
@@ -208,13 +257,13 @@ def _iso(c) -> dict:
   micro-batch shares it; configs/moc.py's sizing). One dense model for every arm: a cheaper arm that beats it beats a
   dense model of more FLOPs than its own."""
   from moc_jax.flops import model_flops_per_token
-  costliest = max((_with(c, arm) for arm in memory_arms().values()), key=model_flops_per_token)
+  costliest = max((_with(c, arm) for arm in memory_arms(c).values()), key=model_flops_per_token)
   return {**NO_MEMORY, "model.mlp_dim": moc._iso_mlp_dim(costliest, costliest.memory.top_k)}
 
 
 def _arms(c) -> list[dict]:
   """Every memory arm, and the iso-FLOP dense model."""
-  return [*memory_arms().values(), _iso(c)]
+  return [*memory_arms(c).values(), _iso(c)]
 
 
 def _lr(c, arm) -> list[dict]:
@@ -225,7 +274,7 @@ def _lr(c, arm) -> list[dict]:
 def _gate(c):
   """The narrow backbone, evaluated also as the run of half its steps would have ended (its cool-down there: does
   doubling the exposures still add recall?), and the backbone at twice the width."""
-  return [{**NO_MEMORY, "train.cooldowns": (GATE_COOLDOWN,)}, {**NO_MEMORY, **WIDE}]
+  return [{**NO_MEMORY, "train.cooldowns": (GATE_COOLDOWN,)}, wide(c)]
 
 
 def _lr_sweep(c):
@@ -258,10 +307,10 @@ def get_sweep(name, config):
 
 def _models() -> dict:
   """NAME -> the overrides of the base that make it, as a function of the base."""
-  out = {"moc": lambda c: {}, "dense": lambda c: NO_MEMORY, "wide": lambda c: {**NO_MEMORY, **WIDE},
+  out = {"moc": lambda c: {}, "dense": lambda c: NO_MEMORY, "wide": wide,
          "preflight": _preflight, "iso": _iso}
-  for name, arm in memory_arms().items():
-    out[name] = lambda c, arm=arm: arm
+  for name in _arm_names():
+    out[name] = lambda c, name=name: memory_arms(c)[name]
   return out
 
 

@@ -1,5 +1,5 @@
 """`python -m experiments.capacity --out=DIR [--stages=preflight,gate,arms,confirm] [--quick] [--parallel=2]
-[--config=configs/capacity.py:moc,bound,ramp=12800]`
+[--config=configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600]`
 
 Does a memory pay where the dense model runs out of room? configs/capacity.py sizes a store of facts against a
 backbone too small to hold them (its docstring holds the arithmetic); this command runs the study in four stages,
@@ -39,8 +39,8 @@ The gate (gate_verdict) passes when all three hold:
                  plateau is below the facts it saw.
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
-0.9; the narrow run first, and the wide run (the longest, about 6 h at the default) only if the narrow one ended at
-or over the floor and had plateaued. No memory result counts without the gate: stages arms and
+0.9; the narrow run first, and the wide run (the longest, about 1.6 h at the default on a 2-core CPU) only if the
+narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and
 confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
 without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
 says, and its report still counts no goal without a gate that passed.
@@ -51,13 +51,15 @@ chance (means over seeds).
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. The default `--config`,
-`configs/capacity.py:moc,bound,ramp=12800`, reads each entity 400 times, the readings at which the narrow backbone
-takes these facts up where it has room (its preflight recalls 1.000; at `configs/capacity.py:moc`'s 50 readings
-0.772: the gate fails there by exposure; docs/results/2026-11-29-capacity-preflight.md), and meets the 4,096 entities
-a few more at a time over the quarter of the run after its curriculum, without which it stays at chance on all of
-them (docs/results/2026-11-29-capacity-gate-d64.md, 2026-11-29-capacity-gate-ramp.md); `moc,bound,entities=N` the
-same readings of N entities (configs/capacity.py's docstring has the hours). At the start of each stage the command
-prints the corpus's bits of facts beside each model's parameters.
+`configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600`, is the size whose gate passed: the biographies
+in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 32 narrow backbone, 3.57 of the d 64
+wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
+which the backbone stays at chance: docs/results/2026-11-29-capacity-gate-ramp.md). So far over its capacity, the
+narrow backbone's gain from twice the readings is small in recall (about 0.25 bits per parameter a doubling at
+capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011 measured), where at 3.57 bits per parameter it was +0.055
+and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md, 2026-11-30-capacity-gate-d32.md;
+configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
+facts beside each model's parameters.
 """
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ FLAGS = flags.FLAGS
 
 STAGES = ("preflight", "gate", "arms", "confirm")
 SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
-DEFAULT_CONFIG = "configs/capacity.py:moc,bound,ramp=12800"  # the module docstring says why
+DEFAULT_CONFIG = "configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600"  # the docstring says why
 CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
 PREFLIGHT_RECALL = 0.9
 PLATEAU_RISE, PLATEAU_FLOOR = 0.02, 0.1

@@ -123,6 +123,28 @@ def test_the_config_sizes_the_study_from_capacity():
   assert not iso.memory.enabled and iso.model.d_model == narrow.model.d_model
 
 
+def test_in_words_the_study_is_sized_for_the_d32_backbone():
+  """`words` (SHAPES["facts"]): the narrow backbone is d 32 at twice the byte backbone's rate, the wide one the byte
+  study's narrow d 64 at its rate; at the default study's 8,192 entities the narrow backbone has 14.2 bits of facts per
+  parameter (hand count: 8,192 x 42.97 / 24,736); each memory within 15% of the bank's 129 x 16 x 32; the iso-FLOP
+  dense model within 2% of the costliest arm's FLOPs."""
+  from moc_jax import count_params, load_config
+  from moc_jax.data.facts import fact_bits
+  from moc_jax.flops import model_flops_per_token
+  load = lambda name: load_config(f"configs/capacity.py:{name},words,entities=8192,readings=400,ramp=25600")
+  narrow, wide, moc, iso = (load(n) for n in ("dense", "wide", "moc", "iso"))
+  without_embedding = lambda c: count_params(c)["backbone"] - c.model.vocab_size * c.model.d_model
+  assert (narrow.model.d_model, narrow.train.base_lr, wide.model.d_model, wide.train.base_lr) == (32, 0.01, 64, 0.005)
+  assert (without_embedding(narrow), without_embedding(wide)) == (24736, 98624)
+  assert fact_bits(narrow.data.facts)["total"] / without_embedding(narrow) == pytest.approx(8192 * 42.97 / 24736,
+                                                                                              rel=1e-3)
+  assert count_params(moc)["bank"] == 129 * 16 * 32
+  for kind in ("pkm", "hml", "cluster", "ffn"):
+    assert count_params(load(kind))["bank"] == pytest.approx(129 * 16 * 32, rel=0.15), kind
+  costliest = max(model_flops_per_token(load(k)) for k in ("moc", "pkm", "hml", "cluster", "ffn"))
+  assert model_flops_per_token(iso) / costliest == pytest.approx(1, abs=0.02) and not iso.memory.enabled
+
+
 def test_words_rows_hold_every_biography_of_the_study_whole_and_never_two():
   """`words`: the longest biography the default corpus can write (its longest name in tokens, the colon, every
   attribute's key and its longest value, 8 semicolons and the full stop) and its EOS fit WORD_ROW; the shortest is
