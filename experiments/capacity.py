@@ -39,7 +39,7 @@ The gate (gate_verdict) passes when all three hold:
                  plateau is below the facts it saw.
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
-0.9; the narrow run first, and the wide run (the longest, about 1.6 h at the default on a 2-core CPU) only if the
+0.9; the narrow run first, and the wide run (the longest, about half an hour at the default on a 2-core CPU) only if the
 narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and
 confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
 without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
@@ -56,7 +56,8 @@ in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 
 wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
 which the backbone stays at chance: docs/results/2026-11-29-capacity-gate-ramp.md). So far over its capacity, the
 narrow backbone's gain from twice the readings is small in recall (about 0.25 bits per parameter a doubling at
-capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011 measured), where at 3.57 bits per parameter it was +0.055
+capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011 and +0.031 in two model seeds, the check's edge), where at
+3.57 bits per parameter it was +0.055
 and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md, 2026-11-30-capacity-gate-d32.md;
 configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
 facts beside each model's parameters.
