@@ -13,9 +13,9 @@ narrow backbone (24,736 parameters without the tied embedding: 14.2 bits of fact
 words, not in bytes) and the d 64 wide one (98,624: 3.57); memories of about 66k parameters (SHAPES["facts"]); the
 iso-FLOP dense model SwiGLU 272. So far over capacity, twice the readings add little recall to a backbone that is full
 (the gate's plateau check); at 3.57 bits per parameter the d 64 backbone still gained +0.055
-(docs/results/2026-11-29-capacity-gate-words.md); a second model seed rose +0.031, so the size is at the check's
-edge. A narrow run is 102,400 updates, 17.8 min on the 2-core AMD EPYC alone; the study about 44 narrow runs, about
-13 h (the record has the step ratios).
+(docs/results/2026-11-29-capacity-gate-words.md); two more model seeds rose +0.031 and +0.033, so the size is at
+the check's edge. A narrow run is 102,400 updates, 17.8 min on the 2-core AMD EPYC alone; the study about 44 narrow
+runs, about 13 h (the record has the step ratios).
 
 Sizing in bytes, the earlier default (count_params, moc_jax.data.facts.fact_bits, moc_jax.flops;
 tests/experiments/test_capacity.py checks the ratios of both):

@@ -56,7 +56,7 @@ in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 
 wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
 which the backbone stays at chance: docs/results/2026-11-29-capacity-gate-ramp.md). So far over its capacity, the
 narrow backbone's gain from twice the readings is small in recall (about 0.25 bits per parameter a doubling at
-capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011 and +0.031 in two model seeds, the check's edge), where at
+capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011, +0.031, +0.033 in three model seeds, the check's edge), where at
 3.57 bits per parameter it was +0.055
 and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md, 2026-11-30-capacity-gate-d32.md;
 configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
