@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from moc_jax import sharding
-from moc_jax.errors import CheckpointError, CorruptCheckpointError
+from moc_jax.errors import CheckpointError, CorruptCheckpointError, MocJaxError
 
 ITEMS = ("params", "opt_state", "step", "data_iter", "rng")
 MANIFEST_KEY = "moc_jax_manifest"  # in the step's custom metadata: {item: {path: [shape, dtype, fingerprint]}}
@@ -234,6 +234,9 @@ def _quiet_restore(manager, step, args):
   'Event loop is closed' complaints dropped, instead of printing tracebacks when the interpreter exits."""
   try:
     return manager.restore(step, args=ocp.args.Composite(**args)), None
+  except MocJaxError:  # the data iterator refusing a state (pipeline._VersionedStateIterator) is no corruption
+    _collect_abandoned_reads()
+    raise
   except Exception as e:  # noqa: BLE001 - Orbax / TensorStore raise bare Exception, ValueError, OSError, ...
     error = f"{type(e).__name__}: {str(e).splitlines()[0].split(' See full TensorStore details')[0][:300]}"
   _collect_abandoned_reads()

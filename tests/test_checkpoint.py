@@ -132,6 +132,23 @@ def test_round_trip_restores_state_and_data_position_bit_identically(run, tmp_pa
   assert first["input_ids"].tobytes() != want_next["input_ids"].tobytes()
 
 
+def test_a_data_state_of_an_earlier_pipeline_is_refused_and_the_step_kept(run, tmp_path):
+  """A step whose iterator state an earlier input pipeline wrote (no layout tag) is the data's DataError, raised as
+  it is: not read as corruption, so the step is not set aside and nothing in the directory changes."""
+  import glob
+  import json
+
+  from moc_jax.errors import DataError
+  save(tmp_path, run.state, 7, data_iter=train_iterator(run.config))
+  (state_file,) = glob.glob(str(tmp_path / "7" / "data_iter" / "*.json"))
+  with open(state_file, "w") as f:
+    json.dump({"parent": {"parent": {"next_index": 5}, "next_index_in_buffer": 0}, "next_row": 3, "counter": 3}, f)
+  before = sorted(os.listdir(tmp_path))
+  with opened(tmp_path) as ck, pytest.raises(DataError, match="another layout"):
+    ck.restore(7, run.layout.abstract, train_iterator(run.config))
+  assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_latest_step_is_the_newest_saved_step(run, tmp_path):
   """None before any save; after saving steps 1, 2 and 4, step 4 — in the saving process and in a new one
   (a resumed run), which reads the steps from the directory."""
