@@ -1,5 +1,5 @@
 """`python -m experiments.capacity --out=DIR [--stages=preflight,gate,arms,confirm] [--quick] [--parallel=2]
-[--config=configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600]`
+[--config=configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600] [--records=RECORDS]`
 
 Does a memory pay where the dense model runs out of room? configs/capacity.py sizes a store of facts against a
 backbone too small to hold them (its docstring holds the arithmetic); this command runs the study in four stages,
@@ -50,7 +50,11 @@ least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GO
 chance (means over seeds).
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
-stage left out is not run, but capacity.md reports what DIR holds of it. The default `--config`,
+stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
+the next (a machine that keeps nothing between sessions), --records=RECORDS keeps what the parts need of it
+(experiments/records.py: each finished and evaluated run without its checkpoints, a few kB): restored into DIR first,
+brought up to date after every sweep, however it ended, with capacity.md beside it; docs/results/capacity-study/ is
+the default study's. The default `--config`,
 `configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600`, is the size whose gate passed: the biographies
 in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 32 narrow backbone, 3.57 of the d 64
 wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
@@ -64,24 +68,26 @@ facts beside each model's parameters.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 
 from absl import flags
 
-from experiments import harness
-from experiments.evaluation import eval_seconds, evaluate_runs
+from experiments import harness, records
+from experiments.evaluation import eval_seconds, evaluate_runs, evaluated
 from experiments.sweeps import report
 from experiments.sweeps.launch import run_to_completion
 from experiments.sweeps.plan import IMPLIED, is_moc, plan, run_name
-from experiments.sweeps.runs import MANIFEST, final_eval, read_metrics
+from experiments.sweeps.runs import MANIFEST, final_eval, finished, read_metrics
 from moc_jax import cli
 
 FLAGS = flags.FLAGS
 
 STAGES = ("preflight", "gate", "arms", "confirm")
 SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
+ALL_SWEEPS = tuple(sweep for stage in STAGES for sweep in SWEEPS[stage])
 DEFAULT_CONFIG = "configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600"  # the docstring says why
 CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
 PREFLIGHT_RECALL = 0.9
@@ -114,6 +120,9 @@ def define_flags():
   FLAGS.set_default("config", DEFAULT_CONFIG)
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of preflight, gate, arms, confirm; the others are "
                     "reported from what DIR holds of them.")
+  flags.DEFINE_string("records", "", "A directory of the study's finished runs without their checkpoints "
+                      "(experiments/records.py): restored into DIR first, brought up to date after each sweep, "
+                      "capacity.md beside them; for a study that goes on where DIR does not survive.")
 
 
 # ---- the verdicts ----------------------------------------------------------------------------------------
@@ -249,7 +258,7 @@ def read_runs(out, sweep, size) -> list[dict] | None:
 def read_all(out, size) -> dict:
   """sweep -> read_runs of every sweep of every stage: read again before each stage and the report, so that what
   invocations sharing DIR finished meanwhile counts."""
-  return {sweep: read_runs(out, sweep, size) for stage in STAGES for sweep in SWEEPS[stage]}
+  return {sweep: read_runs(out, sweep, size) for sweep in ALL_SWEEPS}
 
 
 def _done(runs) -> list[dict]:
@@ -489,11 +498,27 @@ def _train_phases(out, spec, sweep, points, parallel, size, quick) -> str | None
   return None
 
 
-def run(out, spec, quick, parallel, stages=STAGES) -> str:
+def _complete(workdir, entry) -> bool:
+  """A run the record keeps: trained to its end and, with memory, evaluated with it knocked out as well."""
+  from moc_jax.config import load_run_config
+  if entry.get("status") != "done" or not finished(workdir, entry["steps"]):
+    return False
+  return not is_moc(load_run_config(workdir)) or evaluated(workdir, True)
+
+
+def _keep(out, kept) -> None:
+  """Brings the record `kept` (--records) up to date with DIR's complete runs; nothing without one."""
+  if kept:
+    records.save(out, kept, ALL_SWEEPS, _complete)
+
+
+def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
   """Runs `stages` in order and writes DIR/capacity.md over every stage DIR holds; returns its text. A stage whose
   prerequisite is missing (arms and confirm: a gate that passed, unless quick; confirm: every arm finished) stops
   the command with one line, after the report; so does the gate once its finished runs fail it (unless quick: each
-  phase of _phases is trained only while the gate can pass), and a run that did not finish."""
+  phase of _phases is trained only while the gate can pass), and a run that did not finish. `kept`: a record
+  (--records, experiments/records.py) restored into DIR first and brought up to date after each sweep, however the
+  sweep ended, with capacity.md beside it."""
   from moc_jax.errors import UsageError
   from moc_jax.train.peaks import cpu_model
   unknown = sorted(set(stages) - set(STAGES))
@@ -501,6 +526,11 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
     raise UsageError(f"--stages={','.join(stages)}: name one or more of {', '.join(STAGES)}")
   size_name = "quick" if quick else "default"
   size, out = SIZES[size_name], os.path.abspath(out)
+  if kept:
+    planned = {(sweep, p.name): json.loads(p.config.to_json_best_effort(sort_keys=True))
+               for sweep in ALL_SWEEPS for p in _plan(spec, sweep, size)}
+    restored = records.restore(kept, out, ALL_SWEEPS, spec, planned)
+    print(f"capacity: {restored} finished run{'s' * (restored != 1)} restored from {kept}", flush=True)
   os.makedirs(out, exist_ok=True)
   wall, refusal, stopped = {}, None, None
   for stage in STAGES:
@@ -527,6 +557,7 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
         refusal = _train_phases(out, spec, sweep, todo, parallel, size, quick)
       except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
         stopped = e
+      _keep(out, kept)
       if refusal or stopped:
         break
       runs[sweep] = read_runs(out, sweep, size)  # the next sweep of the stage reads it (arms: the lr runs)
@@ -536,8 +567,11 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
   runs = read_all(out, size)  # what DIR holds now, the other invocations' runs included
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
   text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine)
-  with open(os.path.join(out, "capacity.md"), "w") as f:
-    f.write(text)
+  for where in (out, kept):
+    if where:
+      os.makedirs(where, exist_ok=True)
+      with open(os.path.join(where, "capacity.md"), "w") as f:
+        f.write(text)
   if refusal or stopped:
     print(text)
   if stopped:
@@ -550,7 +584,7 @@ def run(out, spec, quick, parallel, stages=STAGES) -> str:
 def main(argv):
   cli.begin(argv)
   harness.check_parallel(FLAGS.parallel)
-  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.stages))
+  print(run(FLAGS.out, FLAGS.config, FLAGS.quick, FLAGS.parallel, FLAGS.stages, FLAGS.records))
   print(f"{FLAGS.out}/capacity.md")
 
 

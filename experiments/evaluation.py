@@ -47,10 +47,6 @@ def evaluate_runs(runs, parallel, harness) -> None:
         json.dump({"seconds": round(time.time() - t0, 1)}, f)
     return workdir, rc
 
-  def evaluated(workdir, memory):
-    found = report.eval_report(workdir)
-    return "ablation" in found if memory else bool(found)
-
   todo = [(w, memory) for w, memory in runs if not evaluated(w, memory)]
   with stop_signals(), concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
     futures = []
@@ -70,6 +66,12 @@ def evaluate_runs(runs, parallel, harness) -> None:
   if failed:
     raise SystemExit(f"{harness}: the evaluation of {len(failed)} run(s) failed; see {failed[0]}/eval.log, then "
                      "re-run the same command")
+
+
+def evaluated(workdir, memory) -> bool:
+  """The run has the evaluation evaluate_runs makes: with its memory knocked out too if it has memory."""
+  found = report.eval_report(workdir)
+  return "ablation" in found if memory else bool(found)
 
 
 def eval_seconds(workdir) -> float:

@@ -1,0 +1,120 @@
+"""experiments/records.py: a study's finished runs kept without their checkpoints and put back into a directory
+that lost them; the capacity study carried over a lost DIR with training faked (tests/experiments/test_capacity.py's
+fake) trains nothing twice and reports the same."""
+import gzip
+import json
+import os
+import shutil
+
+import pytest
+
+from experiments import capacity, evaluation, records
+from experiments.sweeps.runs import read_manifest, write_manifest
+from moc_jax.errors import UsageError
+
+from tests.experiments.test_capacity import SPEC, faked  # noqa: F401  (a fixture)
+
+METRICS = [{"step": 0, "split": "validation", "probe_acc": 0.25, "ce": 2.0},
+           {"step": 8, "loss": 1.5}, {"step": 16, "split": "validation", "probe_acc": 0.6, "ce": 1.0}]
+
+
+def _run(sweep_dir, name, status="done", steps=16, checkpoint=True, spec=SPEC):
+  """A run as the launcher leaves it: config.json, metrics.jsonl (its last evaluation at `steps` if done), a
+  checkpoint of its last step, an eval.json; and its manifest entry."""
+  workdir = os.path.join(sweep_dir, name)
+  os.makedirs(os.path.join(workdir, "checkpoints", str(steps if status == "done" else 8)))
+  rows = METRICS if status == "done" else METRICS[:2]
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  for file, text in {"config.json": '{"name": "%s"}' % name, "eval.json": "{}", "sweep.log": "log"}.items():
+    with open(os.path.join(workdir, file), "w") as f:
+      f.write(text)
+  entry = {"name": name, "workdir": workdir, "status": status, "steps": steps, "wall_s": 12.5, "attempts": 2,
+           "config": spec, "sweep": os.path.basename(sweep_dir)}
+  write_manifest(sweep_dir, [*read_manifest(sweep_dir), entry])
+  return workdir
+
+
+def _done(workdir, entry):
+  return entry["status"] == "done"
+
+
+def test_a_saved_run_comes_back_whole_without_its_checkpoints(tmp_path):
+  out, kept, again = tmp_path / "dir", tmp_path / "records", tmp_path / "again"
+  workdir = _run(str(out / "gate"), "narrow")
+  _run(str(out / "gate"), "wide", status="pending")
+  assert records.save(str(out), str(kept), ["preflight", "gate"], _done) == 1
+  assert sorted(os.listdir(kept / "gate")) == ["manifest.jsonl", "narrow"]
+  assert sorted(os.listdir(kept / "gate" / "narrow")) == ["config.json", "eval.json", "metrics.jsonl.gz"]
+  assert [e["workdir"] for e in read_manifest(str(kept / "gate"))] == ["narrow"]  # relative: any DIR
+  assert records.restore(str(kept), str(again), ["preflight", "gate"], SPEC) == 1
+  back = again / "gate" / "narrow"
+  assert (back / "metrics.jsonl").read_bytes() == open(os.path.join(workdir, "metrics.jsonl"), "rb").read()
+  assert (back / "config.json").read_text() == '{"name": "narrow"}' and not (back / "checkpoints").exists()
+  [entry] = read_manifest(str(again / "gate"))
+  assert entry["workdir"] == str(back) and (entry["wall_s"], entry["attempts"], entry["status"]) == (12.5, 2, "done")
+
+
+def test_saving_again_changes_no_byte_and_keeps_runs_recorded_before(tmp_path):
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow")
+  records.save(str(out), str(kept), ["gate"], _done)
+  packed = (kept / "gate" / "narrow" / "metrics.jsonl.gz").read_bytes()
+  assert gzip.decompress(packed).decode().count("\n") == 3
+  shutil.rmtree(out)  # a new part on a machine that kept nothing: another run finished there
+  _run(str(out / "gate"), "wide")
+  assert records.save(str(out), str(kept), ["gate"], _done) == 1
+  assert (kept / "gate" / "narrow" / "metrics.jsonl.gz").read_bytes() == packed
+  assert sorted(e["name"] for e in read_manifest(str(kept / "gate"))) == ["narrow", "wide"]
+  assert records.save(str(out), str(kept), ["gate"], _done) == 0
+
+
+def test_a_run_dir_holds_is_never_overwritten_by_the_record(tmp_path):
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow")
+  records.save(str(out), str(kept), ["gate"], _done)
+  shutil.rmtree(out / "gate")
+  resuming = _run(str(out / "gate"), "narrow", status="pending")  # DIR's own attempt, stopped at a checkpoint
+  assert records.restore(str(kept), str(out), ["gate"], SPEC) == 0
+  assert os.path.isdir(os.path.join(resuming, "checkpoints", "8"))
+  assert [e["status"] for e in read_manifest(str(out / "gate"))] == ["pending"]
+
+
+def test_a_record_of_another_config_is_one_error_and_nothing_is_copied(tmp_path):
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow", spec="configs/capacity.py:moc,words")
+  records.save(str(out), str(kept), ["gate"], _done)
+  with pytest.raises(UsageError, match=r"^--records=.*: its sweep gate holds runs of "
+                     r"--config=configs/capacity.py:moc,words, not configs/capacity.py:moc; pass that --config"):
+    records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC)
+  assert not (tmp_path / "new").exists()
+
+
+def test_the_study_goes_on_from_its_record_where_its_directory_was_lost(tmp_path, faked):  # noqa: F811
+  """Every stage at the quick size, DIR lost after the gate and again at the end: the next part trains only what
+  was not finished, and the report from the record alone is the report from the whole DIR."""
+  trained, _, _ = faked
+  kept = str(tmp_path / "records")
+  capacity.run(str(tmp_path / "part1"), SPEC, True, 1, stages=["preflight", "gate"], kept=kept)
+  gate_runs = list(trained)
+  assert (tmp_path / "records" / "capacity.md").read_text().count("## Stage") == 2
+  whole = capacity.run(str(tmp_path / "part2"), SPEC, True, 1, kept=kept)
+  assert trained[:len(gate_runs)] == gate_runs and not set(gate_runs) & set(trained[len(gate_runs):])
+  count = len(trained)
+  again = capacity.run(str(tmp_path / "part3"), SPEC, True, 1, kept=kept)
+  assert len(trained) == count  # nothing trained twice, and no memory run evaluated again (evaluate_runs skips it):
+  memory = [w for w in (tmp_path / "part3").glob("*/routed*")]
+  assert len(memory) == 3 + 1 + 2 and all(evaluation.evaluated(str(w), True) for w in memory)
+  assert again.split("## Wall time")[0] == whole.split("## Wall time")[0]
+  assert (tmp_path / "records" / "capacity.md").read_text() == again
+
+
+def test_a_recorded_run_whose_config_the_study_no_longer_makes_is_one_error(tmp_path):
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow")
+  records.save(str(out), str(kept), ["gate"], _done)
+  assert records.restore(str(kept), str(tmp_path / "same"), ["gate"], SPEC, {("gate", "narrow"): {"name": "narrow"}})
+  with pytest.raises(UsageError, match=r"its run gate/narrow was trained with name='narrow' where the study now makes "
+                     r"'wider'; run the moc_jax and configs it was trained with"):
+    records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC, {("gate", "narrow"): {"name": "wider"}})
+  assert not (tmp_path / "new").exists()
