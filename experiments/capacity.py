@@ -52,18 +52,18 @@ chance (means over seeds).
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
 the next (a machine that keeps nothing between sessions), --records=RECORDS keeps what the parts need of it
-(experiments/records.py: each finished and evaluated run without its checkpoints, a few kB): restored into DIR first,
-brought up to date after every sweep, however it ended, with capacity.md beside it; docs/results/capacity-study/ is
-the default study's. The default `--config`,
+(experiments/records.py: each finished and evaluated run without its checkpoints, about 160 kB): restored into DIR
+first, brought up to date after every sweep, however it ended, with capacity.md beside it;
+docs/results/capacity-study/ is the default study's. The default `--config`,
 `configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600`, is the size whose gate passed: the biographies
 in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 32 narrow backbone, 3.57 of the d 64
 wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
 which the backbone stays at chance: docs/results/2026-11-29-capacity-gate-ramp.md). So far over its capacity, the
 narrow backbone's gain from twice the readings is small in recall (about 0.25 bits per parameter a doubling at
-capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011, +0.031, +0.033 in three model seeds, the check's edge), where at
-3.57 bits per parameter it was +0.055
-and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md, 2026-11-30-capacity-gate-d32.md;
-configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
+capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011, +0.031, +0.033 in three model seeds, the check's edge, and
++0.009 in this command's own gate, which passed: docs/results/2026-12-01-capacity-study-part1.md), where at 3.57 bits
+per parameter it was +0.055 and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md,
+2026-11-30-capacity-gate-d32.md; configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
 facts beside each model's parameters.
 """
 from __future__ import annotations
@@ -315,10 +315,16 @@ def sweep_points(spec, sweep, size, runs) -> list:
 
 def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
   """Trains `points` in DIR/<sweep> to completion, evaluates those with memory with it knocked out, collects the
-  sweep's tables and plots the learning curves of what DIR/<sweep> then holds."""
+  sweep's tables and plots the learning curves of what DIR/<sweep> then holds. The evaluations run however the
+  training ended: a sweep stopped (Ctrl-C, SIGTERM) or cut short by a failed run still has its finished runs
+  evaluated, so that a record (--records) keeps them; a second Ctrl-C stops that too."""
   sweep_dir = os.path.join(out, sweep)
-  run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
-  evaluate_runs([(os.path.join(sweep_dir, p.name), True) for p in points if is_moc(p.config)], parallel, "capacity")
+  try:
+    run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
+  finally:
+    workdirs = {p.name: os.path.join(sweep_dir, p.name) for p in points}
+    evaluate_runs([(workdirs[p.name], True) for p in points
+                   if is_moc(p.config) and finished(workdirs[p.name], p.config.train.steps)], parallel, "capacity")
   report.collect(sweep_dir)
   plot_curves(read_runs(out, sweep, size), os.path.join(sweep_dir, "recall_vs_tokens.png"), sweep)
 

@@ -118,3 +118,21 @@ def test_a_recorded_run_whose_config_the_study_no_longer_makes_is_one_error(tmp_
                      r"'wider'; run the moc_jax and configs it was trained with"):
     records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC, {("gate", "narrow"): {"name": "wider"}})
   assert not (tmp_path / "new").exists()
+
+
+def test_a_sweep_cut_short_has_its_finished_memory_runs_evaluated_and_recorded(tmp_path, faked, monkeypatch):  # noqa: F811
+  """A memory run of the `lr` sweep fails (as a run stopped by SIGTERM does not finish): the command stops, but the
+  sweep's finished memory runs are evaluated with their memory knocked out and kept by the record, so a next part on
+  another machine does not train them again."""
+  from experiments.sweeps import launch
+  from tests.experiments.test_capacity import _fake_training
+  trained, evaluated, recalls = faked
+  failing = "routed-prefix-attention-base_lr0.015-memory_lr0.015-steps4"
+  recall = lambda name: recalls.get(name, 0.95 if name.startswith("dense-num_entities") else 0.5)  # noqa: E731
+  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, recall, fails={failing}))
+  kept = str(tmp_path / "records")
+  with pytest.raises(SystemExit, match="lr finished 5 of 6 runs"):
+    capacity.run(str(tmp_path / "dir"), SPEC, True, 1, stages=["preflight", "gate", "arms"], kept=kept)
+  finished_memory = [n for n in trained if n.startswith("routed") and n != failing]
+  assert evaluated == finished_memory and len(finished_memory) == 2
+  assert {e["name"] for e in read_manifest(os.path.join(kept, "lr"))} == {n for n in trained if "steps4" in n} - {failing}
