@@ -51,7 +51,7 @@ chance (means over seeds).
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
-the next (a machine that keeps nothing between sessions), --records=RECORDS keeps what the parts need of it
+the next (a machine that keeps nothing from one job to the next), --records=RECORDS keeps what the parts need of it
 (experiments/records.py: each finished and evaluated run without its checkpoints, about 160 kB): restored into DIR
 first, brought up to date after every sweep, however it ended, with capacity.md beside it;
 docs/results/capacity-study/ is the default study's. The default `--config`,
@@ -63,8 +63,8 @@ narrow backbone's gain from twice the readings is small in recall (about 0.25 bi
 capacity: 0.75 x 0.25 / 14.2 = 0.013 of recall; +0.011, +0.031, +0.033 in three model seeds, the check's edge, and
 +0.009 in this command's own gate, which passed: docs/results/2026-12-01-capacity-study-part1.md), where at 3.57 bits
 per parameter it was +0.055 and failed the plateau check (docs/results/2026-11-29-capacity-gate-words.md,
-2026-11-30-capacity-gate-d32.md; configs/capacity.py's docstring has the hours). At the start of each stage the command prints the corpus's bits of
-facts beside each model's parameters.
+2026-11-30-capacity-gate-d32.md; configs/capacity.py's docstring has the hours). At the start of each stage the
+command prints the corpus's bits of facts beside each model's parameters.
 """
 from __future__ import annotations
 

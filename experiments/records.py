@@ -1,11 +1,12 @@
 """A study's record: what its directory holds of its finished runs, without their checkpoints, kept apart from it.
 
 A study of many hours runs in parts, and a part may start where the last part's directory is gone (a machine that
-keeps nothing between sessions) or is elsewhere (another machine). `save` copies each complete run's files (its
+keeps nothing from one job to the next) or is elsewhere (another machine). `save` copies each complete run's files (its
 config, its metrics, its evaluation) and its manifest entry into RECORDS, the metrics compressed (about 160 kB for a
-run of 100,000 updates logged every 50), small enough to keep in version control; `restore` puts into DIR each recorded run that DIR has no workdir of. A restored
-run is done as sweeps.runs.finished reads it (its final evaluation, no checkpoints/), so the launcher never trains it
-again and the reports read it as they read the run itself; its wall time and attempts come with it, so a study's
+run of 100,000 updates logged every 50), small enough to keep in version control; `restore` puts into DIR each
+recorded run that DIR has no workdir of. A restored run is done as sweeps.runs.finished reads it (its final
+evaluation, no checkpoints/), so the launcher never trains it again and the reports read it as they read the run
+itself; its wall time and attempts come with it, so a study's
 stated compute counts every part. What DIR holds is never overwritten: a run DIR has (finished, or stopped and
 about to resume) stays DIR's.
 """
