@@ -43,7 +43,7 @@ together): 0.36 h a run alone. The others relative to it, measured (docs/results
 ±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
 1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1.1 (the narrow run and its
 cool-down at half its steps) + 2.2 = 3.3; arms, the lr
-sweep 3 rates x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
+sweep 3 rates (its search's fewest) x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
 runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour; but its preflight
 recalls 0.772 of the 0.9 the gate needs: 50 readings do not teach the backbone even 256 entities. At the readings
 that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recalls 1.000; both in
@@ -96,8 +96,12 @@ WARM_ENTITIES = 64
 # The gate's plateau check: the narrow run's recall against that of the run of this share of its steps, measured in
 # the same run (train.cooldowns: its decay costs a tenth of the narrow run, where a run of its own cost half).
 GATE_COOLDOWN = 0.5
-LR_MULTIPLES = (1 / 3, 1, 3)  # the `lr` sweep's rates, in multiples of the representation's (SHAPES `lr`)
-LR_STEPS = 0.25             # ... trained for this share of the steps
+# The rungs of the `lr` sweep's rates, in multiples of the representation's (SHAPES `lr`): the harness runs an arm at
+# the rung of 1 and the one below first, then one rung further while its best is at the end of what it has run
+# (experiments/capacity.py lr_search), so that the rate it picks has a worse one on either side. A grid of three fixed
+# rungs costs as much and left MoC's best at its lowest (docs/results/2026-12-02-capacity-study-part2.md).
+LR_MULTIPLES = (1 / 27, 1 / 9, 1 / 3, 1, 3, 9)
+LR_STEPS = 0.25  # ... each trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
                             # is the one the gate and the arms ran on, so the confirmation is on corpora nothing chose)
 NO_MEMORY = moc.NO_MEMORY
@@ -279,7 +283,8 @@ def _gate(c):
 
 
 def _lr_sweep(c):
-  """Each arm at each rate of LR_MULTIPLES for LR_STEPS of the steps: where its learning rate is chosen."""
+  """Each arm at each rung of LR_MULTIPLES for LR_STEPS of the steps: where its learning rate is chosen (the harness
+  runs the rungs its search needs)."""
   steps = _shorter(c, max(1, int(c.train.steps * LR_STEPS)))
   return [{**p, **steps} for arm in _arms(c) for p in _lr(c, arm)]
 

@@ -11,8 +11,9 @@ finished run is never trained again, an interrupted one resumes from its checkpo
              teach it these facts where it has room to spare?
   gate       the narrow backbone (and, inside its run, as the run of half its steps would have ended: its cool-down,
              train.cooldowns) and the backbone at twice its width, one seed: is the regime capacity-bound?
-  arms       every arm (the iso-FLOP dense model and each memory arm the schema has) at each of three learning rates
-             for a quarter of the steps (DIR/lr/), then each arm at the rate with the best recall (DIR/arms/)
+  arms       every arm (the iso-FLOP dense model and each memory arm the schema has) for a quarter of the steps at
+             the rates of a search (lr_search: the config's rate and a third of it, then a rate a third or three
+             times further while the best is at an end; DIR/lr/), then each arm at its best rate (DIR/arms/)
   confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
              seed on a corpus of its own.
 
@@ -79,7 +80,7 @@ from experiments import harness, records
 from experiments.evaluation import eval_seconds, evaluate_runs, evaluated
 from experiments.sweeps import report
 from experiments.sweeps.launch import run_to_completion
-from experiments.sweeps.plan import IMPLIED, is_moc, plan, run_name
+from experiments.sweeps.plan import IMPLIED, is_moc, plan, resolve, run_name
 from experiments.sweeps.runs import MANIFEST, final_eval, finished, read_metrics
 from moc_jax import cli
 
@@ -269,13 +270,49 @@ def _by_name(runs, name) -> dict | None:
   return next((r for r in _done(runs) if r["run"] == name), None)
 
 
+def _best(runs) -> dict:
+  """The run with the highest recall (then the lower validation CE)."""
+  return max(runs, key=lambda r: (r["recall"], -r["val_ce"]))
+
+
 def choose_rates(lr_runs) -> dict:
-  """arm -> its rate: the finished `lr` run of the arm with the highest recall (then the lower validation CE)."""
-  best = {}
+  """arm -> its rate: the finished `lr` run of the arm with the best recall (_best)."""
+  arms = {}
   for r in _done(lr_runs):
-    if r["arm"] not in best or (r["recall"], -r["val_ce"]) > (best[r["arm"]]["recall"], -best[r["arm"]]["val_ce"]):
-      best[r["arm"]] = r
-  return {arm: r["lr"] for arm, r in best.items()}
+    arms.setdefault(r["arm"], []).append(r)
+  return {arm: _best(runs)["lr"] for arm, runs in arms.items()}
+
+
+def lr_search(points, lr_runs, shapes, rate) -> tuple[list, dict]:
+  """The `lr` points to run given the finished `lr` runs, and per arm {rates: [the rungs run, or to run], best: the
+  rate of _best so far (None before a run finished), state: `bracketed` (a finished worse rung on either side of the
+  best), `at the ladder's end` or `searching`}. An arm's points are the rungs of its rates
+  (configs/capacity.py LR_MULTIPLES); it runs the rung nearest the config's `rate` and the one below first, then,
+  while the best of what it has finished is the lowest or the highest of its rungs so far, the next rung past it, up
+  to the ends of the ladder. Three runs when the best is either starting rung, and never a rate picked at the edge of
+  what was tried unless the ladder ends there (the report says so)."""
+  done = {(r["arm"], r["lr"]): r for r in _done(lr_runs)}
+  arms, todo, search = {}, set(), {}
+  for p in points:
+    arms.setdefault(arm_of(p.overrides, shapes), []).append(p)
+  for arm, rungs in arms.items():
+    rungs.sort(key=lambda p: p.config.train.base_lr)
+    rates = [p.config.train.base_lr for p in rungs]
+    hi = min(range(len(rates)), key=lambda i: abs(math.log(rates[i] / rate)))
+    lo, state = max(hi - 1, 0), "searching"
+    while all((arm, x) in done for x in rates[lo:hi + 1]):
+      best = rates.index(_best([done[arm, x] for x in rates[lo:hi + 1]])["lr"])
+      if best == lo and lo > 0:
+        lo -= 1
+      elif best == hi and hi < len(rates) - 1:
+        hi += 1
+      else:
+        state = "bracketed" if lo < best < hi else "at the ladder's end"
+        break
+    finished = [done[arm, x] for x in rates[lo:hi + 1] if (arm, x) in done]
+    todo.update(p.name for p in rungs[lo:hi + 1])
+    search[arm] = {"rates": rates[lo:hi + 1], "best": _best(finished)["lr"] if finished else None, "state": state}
+  return [p for p in points if p.name in todo], search
 
 
 def choose_confirmed(arm_runs) -> tuple[dict, dict] | None:
@@ -291,12 +328,14 @@ def choose_confirmed(arm_runs) -> tuple[dict, dict] | None:
 
 
 def sweep_points(spec, sweep, size, runs) -> list:
-  """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `arms` each arm at the
-  rate the `lr` runs chose, `confirm` the memory arm of `arms` with the best recall and the iso-FLOP dense model at
-  their rates, once per seed of the size; the other sweeps all their points. Raises UsageError when `arms` is not
-  finished for `confirm`."""
+  """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `lr` the rungs its
+  search needs next (lr_search), `arms` each arm at the rate the `lr` runs chose, `confirm` the memory arm of `arms`
+  with the best recall and the iso-FLOP dense model at their rates, once per seed of the size; the other sweeps all
+  their points. Raises UsageError when `arms` is not finished for `confirm`."""
   from moc_jax.errors import UsageError
   points = _plan(spec, sweep, size)
+  if sweep == "lr":
+    return lr_search(points, runs.get("lr"), size["shapes"], _rate(spec, size))[0]
   if sweep == "arms":
     rates = choose_rates(runs.get("lr"))
   elif sweep == "confirm":
@@ -311,6 +350,11 @@ def sweep_points(spec, sweep, size, runs) -> list:
   else:
     return points
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
+
+
+def _rate(spec, size) -> float:
+  """The config's learning rate at this size: the rung the `lr` search starts from."""
+  return resolve(spec, size["shapes"]).train.base_lr
 
 
 def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
@@ -402,9 +446,16 @@ def runs_table(runs) -> list[str]:
   return lines
 
 
-def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
-  """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), the gate's
-  verdict, the goal's, the wall times."""
+def search_table(search) -> list[str]:
+  """The `lr` search per arm (lr_search's second value)."""
+  lines = ["| arm | rates | best | search |", "|---|---|---:|---|"]
+  return lines + [f"| {arm} | {', '.join(f'{x:g}' for x in s['rates'])} | "
+                  f"{'' if s['best'] is None else format(s['best'], 'g')} | {s['state']} |" for arm, s in search.items()]
+
+
+def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=None) -> str:
+  """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), the `lr`
+  search per arm (`search`: lr_search's), the gate's verdict, the goal's, the wall times."""
   flag = " --quick" if size_name == "quick" else ""
   lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
            (f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) "
@@ -423,6 +474,9 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine) -> str:
       note = [] if stage in wall else ["Not run by this invocation: what DIR holds.", ""]
       lines += [f"## {titles[sweep]}", "", *note, *runs_table(runs[sweep]), "",
                 f"![recall vs tokens]({sweep}/recall_vs_tokens.png)", ""]
+      if sweep == "lr" and search:
+        lines += ["Each arm's rates (lr_search: from the config's rate and the one a third of it, a rung further "
+                  "while the best is at an end):", "", *search_table(search), ""]
   lines += ["## The gate: " + ("**passed**" if gate["passed"] else "**not passed**"), "",
             "| check | met | numbers |", "|---|---|---|"]
   lines += [f"| {name} | {'yes' if met else '**no**'} | {numbers} |" for name, met, numbers in gate["checks"]]
@@ -551,28 +605,35 @@ def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
       break
     t0 = time.time()
     for sweep in SWEEPS[stage]:
-      try:
-        todo = sweep_points(spec, sweep, size, runs)
-      except UsageError as e:
-        refusal = str(e)
-        break
-      count = f"{len(todo)} run" + "s" * (len(todo) != 1)
-      print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]), sep="\n  ",
-            flush=True)
-      try:
-        refusal = _train_phases(out, spec, sweep, todo, parallel, size, quick)
-      except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
-        stopped = e
-      _keep(out, kept)
+      trained = None  # the points of the round before: a sweep is done when the next round asks for no others
+      while not (refusal or stopped):
+        try:
+          todo = sweep_points(spec, sweep, size, runs)
+        except UsageError as e:
+          refusal = str(e)
+          break
+        if [p.name for p in todo] == trained:
+          break  # one round but for the `lr` search, whose rounds each add a rung where an arm's best is at an end
+        trained = [p.name for p in todo]
+        count = f"{len(todo)} run" + "s" * (len(todo) != 1)
+        print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]),
+              sep="\n  ", flush=True)
+        try:
+          refusal = _train_phases(out, spec, sweep, todo, parallel, size, quick)
+        except SystemExit as e:  # a run did not finish: the report still says what the finished ones show
+          stopped = e
+        _keep(out, kept)
+        runs[sweep] = read_runs(out, sweep, size)  # the next round reads it, and the next sweep (arms: the lr runs)
       if refusal or stopped:
         break
-      runs[sweep] = read_runs(out, sweep, size)  # the next sweep of the stage reads it (arms: the lr runs)
     if refusal or stopped:
       break
     wall[stage] = time.time() - t0
   runs = read_all(out, size)  # what DIR holds now, the other invocations' runs included
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
-  text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine)
+  search = None if runs.get("lr") is None else lr_search(_plan(spec, "lr", size), runs["lr"], size["shapes"],
+                                                         _rate(spec, size))[1]
+  text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine, search)
   for where in (out, kept):
     if where:
       os.makedirs(where, exist_ok=True)

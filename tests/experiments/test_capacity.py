@@ -291,10 +291,42 @@ def test_the_sweeps():
   assert [p.name for p in gate] == [NARROW, WIDE]
   lr = plan(SPEC, "lr")
   arms = {capacity.arm_of(p.overrides, {}) for p in lr}
-  assert {"routed-prefix-attention", "dense-mlp432"} <= arms and len(lr) == 3 * len(arms)
+  assert {"routed-prefix-attention", "dense-mlp432"} <= arms and len(lr) == 6 * len(arms)
+  assert sorted(p.config.train.base_lr for p in lr if p.name.startswith("dense-mlp432")) == list(RUNGS)
   assert {p.config.train.steps for p in lr} == {1600}
   confirm = plan(SPEC, "confirm", only=["routed-prefix-attention-base_lr0.005-memory_lr0.005-corpus2-seed1"])
   assert (confirm[0].config.seed, confirm[0].config.data.facts.seed) == (1, 2)
+
+
+RUNGS = (0.000185, 0.000556, 0.00167, 0.005, 0.015, 0.045)  # SPEC's rate 5e-3 times 1/27 ... 9, to 3 digits
+
+
+def _search(recalls):
+  """lr_search over SPEC's `lr` points, `recalls` {(arm, rate): recall} the finished runs."""
+  from experiments.sweeps.plan import plan
+  runs = [{"status": "done", "arm": arm, "lr": rate, "recall": recall, "val_ce": 1.0}
+          for (arm, rate), recall in recalls.items()]
+  todo, search = capacity.lr_search(plan(SPEC, "lr"), runs, {}, 5e-3)
+  return {(capacity.arm_of(p.overrides, {}), p.config.train.base_lr) for p in todo}, search
+
+
+@pytest.mark.parametrize("recalls, rates, best, state", [
+    ({}, RUNGS[2:4], None, "searching"),  # the config's rate and the one below first
+    ({RUNGS[2]: 0.4, RUNGS[3]: 0.3}, RUNGS[1:4], 0.00167, "searching"),  # the lower is better: one rung lower
+    ({RUNGS[1]: 0.35, RUNGS[2]: 0.4, RUNGS[3]: 0.3}, RUNGS[1:4], 0.00167, "bracketed"),
+    ({RUNGS[2]: 0.3, RUNGS[3]: 0.4}, RUNGS[2:5], 0.005, "searching"),  # the higher is better: one rung higher
+    ({RUNGS[2]: 0.3, RUNGS[3]: 0.4, RUNGS[4]: 0.5}, RUNGS[2:6], 0.015, "searching"),
+    ({RUNGS[2]: 0.3, RUNGS[3]: 0.4, RUNGS[4]: 0.5, RUNGS[5]: 0.6}, RUNGS[2:6], 0.045, "at the ladder's end"),
+    ({RUNGS[2]: 0.4, RUNGS[3]: 0.4}, RUNGS[1:4], 0.00167, "searching"),  # a tie: the lower CE, here the first
+    ({x: 0.5 - i * 0.01 for i, x in enumerate(RUNGS)}, RUNGS[:4], 0.000185, "at the ladder's end"),
+])
+def test_the_lr_search_brackets_each_arms_best_rate(recalls, rates, best, state):
+  """One arm's finished runs decide its next rung (the other arms, with none, start at theirs); hand-decided."""
+  arm = "dense-mlp432"
+  todo, search = _search({(arm, x): recall for x, recall in recalls.items()})
+  assert {x for a, x in todo if a == arm} == set(rates)
+  assert search[arm] == {"rates": list(rates), "best": best, "state": state}
+  assert {x for a, x in todo if a == "routed-prefix-attention"} == set(RUNGS[2:4])
 
 
 def test_every_quick_run_of_the_default_study_has_a_corpus_its_shapes_can_build():
@@ -360,6 +392,8 @@ def faked(monkeypatch):
 
   def evaluate_runs(runs, parallel, harness):
     for workdir, memory in runs:
+      if os.path.exists(os.path.join(workdir, "eval.json")):  # as the real one, a run evaluated already is not
+        continue
       evaluated.append(os.path.basename(workdir))
       with open(os.path.join(workdir, "eval.json"), "w") as f:
         json.dump({"ablation": {"spec": "routed", "fact_recall": {"probe_acc": 0.3}}}, f)
@@ -506,18 +540,21 @@ def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, mon
 
 
 def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
-  """Every stage at the quick size: each arm trained at three rates for a quarter of the steps, then at the rate with
-  the best recall; the confirmation runs the memory arm and the iso-FLOP dense model at their rates, one run per
-  seed and corpus; every run with memory is knocked out once; a second invocation trains nothing."""
+  """Every stage at the quick size: each arm trained for a quarter of the steps at the config's rate and a third of
+  it, then (its best being the higher) at three times it, then at the rate with the best recall; the confirmation
+  runs the memory arm and the iso-FLOP dense model at their rates, one run per seed and corpus; every run with memory
+  is knocked out once; a second invocation trains nothing."""
   trained, evaluated, _ = faked
   out = str(tmp_path)
   text = capacity.run(out, SPEC, True, 1)
   arms = ["routed-prefix-attention", "dense-mlp624"]
-  rates = ("0.00167", "0.005", "0.015")
-  assert trained == GATE_RUNS + [f"{a}-base_lr{r}-memory_lr{r}-steps4" for a in arms for r in rates] + [
+  rounds = (("0.00167", "0.005"), ("0.015",))
+  assert trained == GATE_RUNS + [f"{a}-base_lr{r}-memory_lr{r}-steps4" for rates in rounds for a in arms
+                                 for r in rates] + [
       f"{a}-base_lr0.005-memory_lr0.005" for a in arms] + [
       f"{a}-base_lr0.005-memory_lr0.005-corpus{s + 1}-seed{s}" for s in (0, 1) for a in arms]
   assert evaluated == [n for n in trained if n.startswith("routed")]
+  assert "| dense-mlp624 | 0.00167, 0.005, 0.015 | 0.005 | bracketed |" in text
   assert "## The goal\n\nnot counted: the gate did not pass" not in text  # the faked gate passes
   assert ("**met**. routed-prefix-attention recalls 0.655 ± 0.005 against the iso-FLOP dense model's 0.605 ± 0.005 "
           "(dense-mlp624; mean ± standard error over 2 seeds and corpora): Welch's t +7.07") in text
