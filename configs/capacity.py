@@ -96,11 +96,12 @@ WARM_ENTITIES = 64
 # The gate's plateau check: the narrow run's recall against that of the run of this share of its steps, measured in
 # the same run (train.cooldowns: its decay costs a tenth of the narrow run, where a run of its own cost half).
 GATE_COOLDOWN = 0.5
-# The rungs of the `lr` sweep's rates, in multiples of the representation's (SHAPES `lr`): the harness runs an arm at
-# the rung of 1 and the one below first, then one rung further while its best is at the end of what it has run
-# (experiments/capacity.py lr_search), so that the rate it picks has a worse one on either side. A grid of three fixed
-# rungs costs as much and left MoC's best at its lowest (docs/results/2026-12-02-capacity-study-part2.md).
-LR_MULTIPLES = (1 / 27, 1 / 9, 1 / 3, 1, 3, 9)
+# The rungs of the rate searches (sweeps `gate_lr` and `lr`), in multiples of each model's own rate (SHAPES `lr`; the
+# wide backbone's half of it), in the order a search may reach them: the harness runs a model at the first two, then
+# one rung further while its best is at the end of what it has run (experiments/capacity.py lr_search), so that the
+# rate it picks has a worse one on either side. A grid of three fixed rungs costs as much, and left MoC's and the
+# iso-FLOP model's best at its lowest (docs/results/2026-12-02-capacity-study-part2.md).
+LR_MULTIPLES = (1, 1 / 3, 3, 1 / 9, 9, 1 / 27)
 LR_STEPS = 0.25  # ... each trained for this share of the steps
 SEEDS = (0, 1, 2)           # `confirm`: model seeds, each on its own corpus, data.facts.seed = seed + 1 (corpus 0
                             # is the one the gate and the arms ran on, so the confirmation is on corpora nothing chose)
@@ -271,22 +272,30 @@ def _arms(c) -> list[dict]:
   return [*memory_arms(c).values(), _iso(c)]
 
 
-def _lr(c, arm) -> list[dict]:
-  return [{**arm, "train.base_lr": float(f"{m * c.train.base_lr:.3g}"),
-           "train.memory_lr": float(f"{m * c.train.memory_lr:.3g}")} for m in LR_MULTIPLES]
+def _lr(c, model) -> list[dict]:
+  """`model` (overrides) at each rung of LR_MULTIPLES, in multiples of its own rates (`c`'s where it sets none)."""
+  base = {k: model.get(f"train.{k}", c.train[k]) for k in ("base_lr", "memory_lr")}
+  return [{**model, **{f"train.{k}": float(f"{m * v:.3g}") for k, v in base.items()}} for m in LR_MULTIPLES]
+
+
+def _searched(c, models) -> list[dict]:
+  """Each of `models` at each rung for LR_STEPS of the steps: where its rate is chosen (the harness runs the rungs
+  its search needs)."""
+  steps = _shorter(c, max(1, int(c.train.steps * LR_STEPS)))
+  return [{**p, **steps} for model in models for p in _lr(c, model)]
+
+
+def _gate_models(c) -> list[dict]:
+  """The gate's narrow backbone and its backbone at twice the width."""
+  return [dict(NO_MEMORY), wide(c)]
 
 
 def _gate(c):
   """The narrow backbone, evaluated also as the run of half its steps would have ended (its cool-down there: does
-  doubling the exposures still add recall?), and the backbone at twice the width."""
-  return [{**NO_MEMORY, "train.cooldowns": (GATE_COOLDOWN,)}, wide(c)]
-
-
-def _lr_sweep(c):
-  """Each arm at each rung of LR_MULTIPLES for LR_STEPS of the steps: where its learning rate is chosen (the harness
-  runs the rungs its search needs)."""
-  steps = _shorter(c, max(1, int(c.train.steps * LR_STEPS)))
-  return [{**p, **steps} for arm in _arms(c) for p in _lr(c, arm)]
+  doubling the exposures still add recall?), and the wide one, each at each rung (the harness runs each at the rate
+  the `gate_lr` runs chose: neither backbone's plateau is its rate's)."""
+  narrow, wide_ = _gate_models(c)
+  return [*_lr(c, {**narrow, "train.cooldowns": (GATE_COOLDOWN,)}), *_lr(c, wide_)]
 
 
 def _arms_sweep(c):
@@ -300,7 +309,8 @@ def _confirm(c):
   return [{**p, "data.facts.seed": s + 1, "seed": s, "data.seed": s} for s in SEEDS for p in _arms_sweep(c)]
 
 
-SWEEPS = {"preflight": lambda c: [_preflight(c)], "gate": _gate, "lr": _lr_sweep, "arms": _arms_sweep,
+SWEEPS = {"preflight": lambda c: [_preflight(c)], "gate_lr": lambda c: _searched(c, _gate_models(c)), "gate": _gate,
+          "lr": lambda c: _searched(c, _arms(c)), "arms": _arms_sweep,
           "confirm": _confirm}
 
 

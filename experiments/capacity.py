@@ -9,11 +9,14 @@ finished run is never trained again, an interrupted one resumes from its checkpo
   preflight  the narrow backbone on PREFLIGHT_ENTITIES = 256 entities (a sixteenth of the default's; an eighth of
              fewer), each read as often as in the study (its curriculum, then the same readings): do these readings
              teach it these facts where it has room to spare?
-  gate       the narrow backbone (and, inside its run, as the run of half its steps would have ended: its cool-down,
-             train.cooldowns) and the backbone at twice its width, one seed: is the regime capacity-bound?
-  arms       every arm (the iso-FLOP dense model and each memory arm the schema has) for a quarter of the steps at
-             the rates of a search (lr_search: the config's rate and a third of it, then a rate a third or three
-             times further while the best is at an end; DIR/lr/), then each arm at its best rate (DIR/arms/)
+  gate       the narrow backbone and the backbone at twice its width for a quarter of the steps at the rates of a
+             search (lr_search: its own rate and a third of it, then a rate a third or three times further while the
+             best is at an end; DIR/gate_lr/), then each at its best rate (DIR/gate/; the narrow one evaluated also
+             as the run of half its steps would have ended: its cool-down, train.cooldowns), one seed: is the regime
+             capacity-bound? A rate too high or too low stalls a backbone below what it can hold, so an untuned
+             plateau would not say the backbone is full.
+  arms       every arm (the iso-FLOP dense model and each memory arm the schema has) searched the same way (DIR/lr/),
+             then each at its best rate (DIR/arms/)
   confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
              seed on a corpus of its own.
 
@@ -80,14 +83,15 @@ from experiments import harness, records
 from experiments.evaluation import eval_seconds, evaluate_runs, evaluated
 from experiments.sweeps import report
 from experiments.sweeps.launch import run_to_completion
-from experiments.sweeps.plan import IMPLIED, is_moc, plan, resolve, run_name
+from experiments.sweeps.plan import IMPLIED, is_moc, plan, run_name
 from experiments.sweeps.runs import MANIFEST, final_eval, finished, read_metrics
 from moc_jax import cli
 
 FLAGS = flags.FLAGS
 
 STAGES = ("preflight", "gate", "arms", "confirm")
-SWEEPS = {"preflight": ("preflight",), "gate": ("gate",), "arms": ("lr", "arms"), "confirm": ("confirm",)}
+SWEEPS = {"preflight": ("preflight",), "gate": ("gate_lr", "gate"), "arms": ("lr", "arms"), "confirm": ("confirm",)}
+SEARCHES = {"gate_lr": "gate", "lr": "arms"}  # the rate searches (lr_search), and the sweep that runs their choice
 ALL_SWEEPS = tuple(sweep for stage in STAGES for sweep in SWEEPS[stage])
 DEFAULT_CONFIG = "configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600"  # the docstring says why
 CHANCE = 0.25  # likelihood choice among data.facts.num_candidates = 4
@@ -97,7 +101,8 @@ GATE_GAP, GATE_Z = 0.05, 3.0
 GOAL_T, GOAL_HELD = 3.0, 0.5
 # What the stages' points vary beyond the arm itself, and the fields that follow them (the steps' schedule and
 # curriculum: plan.IMPLIED): the arm of a point is its run name without them.
-_VARIED = ("train.base_lr", "train.memory_lr", "train.steps", "seed", "data.seed", "data.facts.seed")
+_VARIED = ("train.base_lr", "train.memory_lr", "train.steps", "train.cooldowns", "seed", "data.seed",
+           "data.facts.seed")
 RUN_KEYS = (*_VARIED, *(key for key, follows in IMPLIED.items() if follows in _VARIED and key not in _VARIED))
 # The default size is configs/capacity.py's; quick tests the harness in minutes (CI): 16 entities (the first 16
 # documents about 2 of them), 4 rows a step, 16 steps, no ramp after the curriculum (the default's would outgrow its 64
@@ -283,23 +288,23 @@ def choose_rates(lr_runs) -> dict:
   return {arm: _best(runs)["lr"] for arm, runs in arms.items()}
 
 
-def lr_search(points, lr_runs, shapes, rate) -> tuple[list, dict]:
+def lr_search(points, lr_runs, shapes) -> tuple[list, dict]:
   """The `lr` points to run given the finished `lr` runs, and per arm {rates: [the rungs run, or to run], best: the
   rate of _best so far (None before a run finished), state: `bracketed` (a finished worse rung on either side of the
   best), `at the ladder's end` or `searching`}. An arm's points are the rungs of its rates
-  (configs/capacity.py LR_MULTIPLES); it runs the rung nearest the config's `rate` and the one below first, then,
-  while the best of what it has finished is the lowest or the highest of its rungs so far, the next rung past it, up
-  to the ends of the ladder. Three runs when the best is either starting rung, and never a rate picked at the edge of
-  what was tried unless the ladder ends there (the report says so)."""
+  (configs/capacity.py LR_MULTIPLES, in the order the search may reach them); it runs its first two points first,
+  then, while the best of what it has finished is the lowest or the highest of its rungs so far, the next rung past
+  it, up to the ends of the ladder. Three runs when the best is either starting rung, and never a rate picked at the
+  edge of what was tried unless the ladder ends there (the report says so)."""
   done = {(r["arm"], r["lr"]): r for r in _done(lr_runs)}
   arms, todo, search = {}, set(), {}
   for p in points:
     arms.setdefault(arm_of(p.overrides, shapes), []).append(p)
   for arm, rungs in arms.items():
+    start = sorted(p.config.train.base_lr for p in rungs[:2])
     rungs.sort(key=lambda p: p.config.train.base_lr)
     rates = [p.config.train.base_lr for p in rungs]
-    hi = min(range(len(rates)), key=lambda i: abs(math.log(rates[i] / rate)))
-    lo, state = max(hi - 1, 0), "searching"
+    lo, hi, state = rates.index(start[0]), rates.index(start[-1]), "searching"
     while all((arm, x) in done for x in rates[lo:hi + 1]):
       best = rates.index(_best([done[arm, x] for x in rates[lo:hi + 1]])["lr"])
       if best == lo and lo > 0:
@@ -328,16 +333,17 @@ def choose_confirmed(arm_runs) -> tuple[dict, dict] | None:
 
 
 def sweep_points(spec, sweep, size, runs) -> list:
-  """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `lr` the rungs its
-  search needs next (lr_search), `arms` each arm at the rate the `lr` runs chose, `confirm` the memory arm of `arms`
-  with the best recall and the iso-FLOP dense model at their rates, once per seed of the size; the other sweeps all
-  their points. Raises UsageError when `arms` is not finished for `confirm`."""
+  """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `gate_lr` and `lr` the
+  rungs their search needs next (lr_search), `gate` and `arms` each model at the rate its search chose, `confirm` the
+  memory arm of `arms` with the best recall and the iso-FLOP dense model at their rates, once per seed of the size;
+  `preflight` its point. Raises UsageError when `arms` is not finished for `confirm`."""
   from moc_jax.errors import UsageError
   points = _plan(spec, sweep, size)
-  if sweep == "lr":
-    return lr_search(points, runs.get("lr"), size["shapes"], _rate(spec, size))[0]
-  if sweep == "arms":
-    rates = choose_rates(runs.get("lr"))
+  if sweep in SEARCHES:
+    return lr_search(points, runs.get(sweep), size["shapes"])[0]
+  searched = next((search for search, chosen in SEARCHES.items() if chosen == sweep), None)
+  if searched:
+    rates = choose_rates(runs.get(searched))
   elif sweep == "confirm":
     chosen = choose_confirmed(runs.get("arms"))
     done = {r["arm"] for r in _done(runs.get("arms"))}
@@ -350,11 +356,6 @@ def sweep_points(spec, sweep, size, runs) -> list:
   else:
     return points
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
-
-
-def _rate(spec, size) -> float:
-  """The config's learning rate at this size: the rung the `lr` search starts from."""
-  return resolve(spec, size["shapes"]).train.base_lr
 
 
 def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
@@ -447,15 +448,15 @@ def runs_table(runs) -> list[str]:
 
 
 def search_table(search) -> list[str]:
-  """The `lr` search per arm (lr_search's second value)."""
-  lines = ["| arm | rates | best | search |", "|---|---|---:|---|"]
+  """A rate search per model (lr_search's second value)."""
+  lines = ["| model | rates | best | search |", "|---|---|---:|---|"]
   return lines + [f"| {arm} | {', '.join(f'{x:g}' for x in s['rates'])} | "
                   f"{'' if s['best'] is None else format(s['best'], 'g')} | {s['state']} |" for arm, s in search.items()]
 
 
 def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=None) -> str:
-  """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), the `lr`
-  search per arm (`search`: lr_search's), the gate's verdict, the goal's, the wall times."""
+  """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), each rate
+  search per model (`search`: sweep -> lr_search's), the gate's verdict, the goal's, the wall times."""
   flag = " --quick" if size_name == "quick" else ""
   lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
            (f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) "
@@ -464,7 +465,8 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
             "held: the corpus's bits of facts times the share of probes known above chance, and per parameter "
             "without the embedding (a transformer holds about 1 to 2)."), ""]
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
-            "gate": "Stage `gate`: narrow (and its cool-down at half the steps), wide",
+            "gate_lr": "Stage `gate`, the learning-rate search (a quarter of the steps)",
+            "gate": "Stage `gate`: narrow (and its cool-down at half the steps), wide, each at its rate",
             "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",
             "arms": "Stage `arms`: every arm at its rate", "confirm": "Stage `confirm`: one run per seed and corpus"}
   for stage in STAGES:
@@ -474,9 +476,9 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
       note = [] if stage in wall else ["Not run by this invocation: what DIR holds.", ""]
       lines += [f"## {titles[sweep]}", "", *note, *runs_table(runs[sweep]), "",
                 f"![recall vs tokens]({sweep}/recall_vs_tokens.png)", ""]
-      if sweep == "lr" and search:
-        lines += ["Each arm's rates (lr_search: from the config's rate and the one a third of it, a rung further "
-                  "while the best is at an end):", "", *search_table(search), ""]
+      if (search or {}).get(sweep):
+        lines += ["Each model's rates (lr_search: from its own rate and a third of it, a rung further while the best "
+                  "is at an end):", "", *search_table(search[sweep]), ""]
   lines += ["## The gate: " + ("**passed**" if gate["passed"] else "**not passed**"), "",
             "| check | met | numbers |", "|---|---|---|"]
   lines += [f"| {name} | {'yes' if met else '**no**'} | {numbers} |" for name, met, numbers in gate["checks"]]
@@ -506,13 +508,20 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
 
 # ---- the command -----------------------------------------------------------------------------------------
 
+def _narrow(point) -> bool:
+  """The gate's narrow run (the one cooled down at half its steps), not its wide one."""
+  return bool(point.config.train.cooldowns)
+
+
 def _gate(spec, size, runs) -> dict:
-  """gate_verdict on the preflight and gate runs DIR holds (planned to find them by name)."""
+  """gate_verdict on the preflight and the gate runs DIR holds at the rates the `gate_lr` search chose (planned to
+  find them by name)."""
   def score(sweep, name):
     r = _by_name(runs.get(sweep), name)
     return None if r is None else {"recall": r["recall"], "probes": r["probes"]}
   preflight = _plan(spec, "preflight", size)[0].name
-  narrow, wide = (p.name for p in _plan(spec, "gate", size))
+  chosen = sweep_points(spec, "gate", size, runs)
+  narrow, wide = (next((p.name for p in chosen if _narrow(p) == n), None) for n in (True, False))
   run = _by_name(runs.get("gate"), narrow)
   half = None if run is None else run["cooled"].get(round(run["steps"] / 2))
   return gate_verdict(score("preflight", preflight), score("gate", narrow), half, score("gate", wide))
@@ -534,8 +543,7 @@ def _phases(spec, sweep, size, points) -> list[list]:
   plateau check has failed); any other sweep in one phase."""
   if sweep != "gate":
     return [points]
-  wide = _plan(spec, "gate", size)[1].name
-  return [[p for p in points if p.name != wide], points]
+  return [[p for p in points if _narrow(p)], points]
 
 
 def _gate_lost(out, spec, size) -> str | None:
@@ -551,7 +559,7 @@ def _train_phases(out, spec, sweep, points, parallel, size, quick) -> str | None
   """Trains `points` phase by phase (_phases), the gate's next phase only while its finished runs leave it able to
   pass (always when quick); returns the refusal that stopped it, None when every point was trained."""
   for phase in _phases(spec, sweep, size, points):
-    refusal = None if quick or sweep != "gate" else _gate_lost(out, spec, size)
+    refusal = None if quick or sweep not in SWEEPS["gate"] else _gate_lost(out, spec, size)
     if refusal:
       return refusal
     _run_sweep(out, spec, sweep, phase, parallel, size)
@@ -631,8 +639,8 @@ def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
     wall[stage] = time.time() - t0
   runs = read_all(out, size)  # what DIR holds now, the other invocations' runs included
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
-  search = None if runs.get("lr") is None else lr_search(_plan(spec, "lr", size), runs["lr"], size["shapes"],
-                                                         _rate(spec, size))[1]
+  search = {sweep: lr_search(_plan(spec, sweep, size), runs[sweep], size["shapes"])[1]
+            for sweep in SEARCHES if runs.get(sweep) is not None}
   text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine, search)
   for where in (out, kept):
     if where:

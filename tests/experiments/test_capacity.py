@@ -15,7 +15,7 @@ from experiments.sweeps import launch, report
 from moc_jax.errors import UsageError
 
 SPEC = "configs/capacity.py:moc"
-NARROW = "dense-cooldowns0.5"
+NARROW = "dense-cooldowns0.5-base_lr0.005-memory_lr0.005"  # at the rate the faked `gate_lr` search chooses
 HALF = f"{NARROW}@8"  # its cool-down at half the quick size's 16 steps (the fake below names it so)
 WIDE = "dense-d_model128-num_heads8-num_kv_heads4-mlp384-base_lr0.0025-memory_lr0.0025"
 QUICK = capacity.SIZES["quick"]
@@ -257,7 +257,8 @@ def test_ramp_grows_the_entities_after_the_curriculum_and_shorter_runs_scale_it(
   assert c.name == "capacity-dense-r100-ramp3200"
   assert load_config("configs/capacity.py:dense,readings=100").data.facts.ramp_docs == 0
   from experiments.sweeps.plan import plan
-  dense, wide = (p.config.data.facts for p in plan("configs/capacity.py:moc,bound,ramp=12800", "gate"))
+  gate = plan("configs/capacity.py:moc,bound,ramp=12800", "gate")
+  dense, wide = (next(p for p in gate if capacity._narrow(p) == n).config.data.facts for n in (True, False))
   assert (dense.ramp_docs, wide.ramp_docs) == (409_600, 409_600)
   (pre,) = plan("configs/capacity.py:moc,bound,ramp=12800", "preflight")
   assert (pre.config.data.facts.num_docs, pre.config.data.facts.ramp_docs) == (126_208, 31_552)  # 409,600 / 12.98
@@ -288,7 +289,9 @@ def test_readings_of_400_is_bound_and_a_bad_readings_is_one_error():
 def test_the_sweeps():
   from experiments.sweeps.plan import plan
   gate = plan(SPEC, "gate")
-  assert [p.name for p in gate] == [NARROW, WIDE]
+  assert len(gate) == 12 and {NARROW, WIDE} <= {p.name for p in gate}
+  searched = {p.name for p in plan(SPEC, "gate_lr")}
+  assert len(searched) == 12 and {"dense-base_lr0.005-memory_lr0.005-steps1600", WIDE + "-steps1600"} <= searched
   lr = plan(SPEC, "lr")
   arms = {capacity.arm_of(p.overrides, {}) for p in lr}
   assert {"routed-prefix-attention", "dense-mlp432"} <= arms and len(lr) == 6 * len(arms)
@@ -306,12 +309,12 @@ def _search(recalls):
   from experiments.sweeps.plan import plan
   runs = [{"status": "done", "arm": arm, "lr": rate, "recall": recall, "val_ce": 1.0}
           for (arm, rate), recall in recalls.items()]
-  todo, search = capacity.lr_search(plan(SPEC, "lr"), runs, {}, 5e-3)
+  todo, search = capacity.lr_search(plan(SPEC, "lr"), runs, {})
   return {(capacity.arm_of(p.overrides, {}), p.config.train.base_lr) for p in todo}, search
 
 
 @pytest.mark.parametrize("recalls, rates, best, state", [
-    ({}, RUNGS[2:4], None, "searching"),  # the config's rate and the one below first
+    ({}, RUNGS[2:4], None, "searching"),  # the arm's rate and the one below first
     ({RUNGS[2]: 0.4, RUNGS[3]: 0.3}, RUNGS[1:4], 0.00167, "searching"),  # the lower is better: one rung lower
     ({RUNGS[1]: 0.35, RUNGS[2]: 0.4, RUNGS[3]: 0.3}, RUNGS[1:4], 0.00167, "bracketed"),
     ({RUNGS[2]: 0.3, RUNGS[3]: 0.4}, RUNGS[2:5], 0.005, "searching"),  # the higher is better: one rung higher
@@ -376,19 +379,26 @@ def _fake_training(trained, recall, fails=()):
   return Run
 
 
+def fake_recall(recalls, name):
+  """The faked runs' recall: what `recalls` says, else the preflight 0.95, the others 0.5, +0.1 at the rate 0.005
+  (the wide backbone's: 0.0025), +0.05 with memory, +0.01 on the second seed."""
+  if name in recalls:
+    return recalls[name]
+  if name.startswith("dense-num_entities"):
+    return 0.95
+  return (0.5 + 0.1 * ("base_lr0.005-" in name or "base_lr0.0025-" in name)
+                     + 0.05 * (not name.startswith("dense")) + 0.01 * name.endswith("corpus2-seed1"))
+
+
 @pytest.fixture
 def faked(monkeypatch):
-  """Training and evaluation faked: the preflight recalls 0.95, the gate's runs what `recalls` says (a passing gate
-  by default), the other runs 0.5, +0.1 at the rate 0.005, +0.05 with memory, +0.01 on the second seed; a knock-out
-  leaves 0.3."""
+  """Training and evaluation faked: recall as fake_recall says, the gate's runs what `recalls` says (a passing gate
+  by default); a knock-out leaves 0.3."""
   trained, evaluated = [], []
   recalls = {NARROW: 0.5, HALF: 0.49, WIDE: 0.7}
 
   def recall(name):
-    if name.startswith("dense-num_entities"):
-      return 0.95
-    return recalls.get(name, 0.5 + 0.1 * ("base_lr0.005-" in name) + 0.05 * (not name.startswith("dense"))
-                       + 0.01 * name.endswith("corpus2-seed1"))
+    return fake_recall(recalls, name)
 
   def evaluate_runs(runs, parallel, harness):
     for workdir, memory in runs:
@@ -417,7 +427,13 @@ def test_a_bad_stage_is_one_error_line_and_exit_2(tmp_path):
       "error: --stages=gat: name one or more of preflight, gate, arms, confirm"]
 
 
-GATE_RUNS = ["dense-num_entities2-num_docs128-warmup_entities2-steps32", NARROW, WIDE]
+# The faked gate_lr search: each backbone at its rate and a third of it, then (its rate being the best) at three times
+# it; then the gate's runs at the rates it chose.
+_WIDE_ARM = "dense-d_model128-num_heads8-num_kv_heads4-mlp384"
+GATE_LR = [f"{model}-base_lr{r}-memory_lr{r}-steps4" for model, r in (
+    ("dense", "0.005"), ("dense", "0.00167"), (_WIDE_ARM, "0.0025"), (_WIDE_ARM, "0.000833"),
+    ("dense", "0.015"), (_WIDE_ARM, "0.0075"))]
+GATE_RUNS = ["dense-num_entities2-num_docs128-warmup_entities2-steps32", *GATE_LR, NARROW, WIDE]
 
 
 def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, faked):
@@ -431,7 +447,7 @@ def test_a_stage_resumes_and_a_finished_run_is_never_trained_twice(tmp_path, fak
   assert "## The gate: **passed**" in text
   assert "Not run by this invocation" not in text
   text = capacity.run(out, SPEC, True, 1, stages=["preflight"])
-  assert text.count("Not run by this invocation: what DIR holds.") == 1  # the gate, reported from DIR
+  assert text.count("Not run by this invocation: what DIR holds.") == 2  # the gate's search and runs, from DIR
 
 
 def test_the_facts_a_model_holds_are_the_share_of_probes_it_knows_above_chance():
@@ -456,7 +472,7 @@ def test_the_report_counts_what_another_invocation_sharing_dir_finished_meanwhil
   out, run_sweep = str(tmp_path), capacity._run_sweep
 
   def gate_beside_the_preflight(out, spec, sweep, points, parallel, size):
-    if sweep == "gate":  # the other invocation finishes the preflight while the gate trains
+    if sweep == "gate_lr":  # the other invocation finishes the preflight while the gate trains
       run_sweep(out, spec, "preflight", capacity._plan(spec, "preflight", size), parallel, size)
     return run_sweep(out, spec, sweep, points, parallel, size)
 
@@ -472,7 +488,8 @@ def test_a_run_that_stops_short_stops_the_command_after_the_report(tmp_path, fak
   the narrow run decides with its cool-down (here failing: +0.3 from half the steps)."""
   trained, _, recalls = faked
   recalls[HALF] = 0.2
-  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name], fails={WIDE}))
+  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: fake_recall(recalls, name),
+                                                                 fails={WIDE}))
   with pytest.raises(SystemExit, match=r"gate finished 1 of 2 runs .*re-run the same command"):
     capacity.run(str(tmp_path), SPEC, True, 1, stages=["gate"])
   text = (tmp_path / "capacity.md").read_text()
@@ -492,10 +509,10 @@ def test_arms_refuse_to_run_without_a_passed_gate(tmp_path, faked, monkeypatch):
   recalls[HALF] = 0.40
   with pytest.raises(UsageError, match="stage gate stopped: narrow recall 0.400"):
     capacity.run(out, SPEC, False, 1, stages=["preflight", "gate", "arms"])
-  assert trained == GATE_RUNS[:2]
+  assert trained == GATE_RUNS[:-1]
   with pytest.raises(UsageError, match="stage arms not run: the gate has not passed .narrow recall 0.400"):
     capacity.run(out, SPEC, False, 1, stages=["arms"])
-  assert trained == GATE_RUNS[:2]
+  assert trained == GATE_RUNS[:-1]
   with pytest.raises(UsageError, match="stage confirm not run: the gate has not passed"):
     capacity.run(out, SPEC, False, 1, stages=["confirm"])
 
@@ -510,7 +527,7 @@ def test_a_gate_whose_narrow_run_ended_under_the_floor_trains_nothing_more(tmp_p
   recalls.update({NARROW: 0.26, HALF: 0.26})
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor"):
     capacity.run(out, SPEC, False, 1, stages=["gate"])
-  assert trained == [NARROW]
+  assert trained == [*GATE_LR, NARROW]
   del trained[:]
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.260 at all the steps, under the floor "
                                        r"0.35: .*the gate cannot pass, so its other runs are not trained"):
@@ -525,7 +542,6 @@ def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, mon
   trained, _, recalls = faked
   monkeypatch.setitem(capacity.SIZES, "default", QUICK)
   recalls.update({GATE_RUNS[0]: 0.6, NARROW: 0.52, HALF: 0.45})
-  monkeypatch.setattr(launch.subprocess, "Popen", _fake_training(trained, lambda name: recalls[name]))
   with pytest.raises(UsageError, match=r"^stage gate stopped: preflight recall 0.600 \(needs ≥ 0.9\); the gate "
                                        r"cannot pass, so its other runs are not trained \(the levers: "):
     capacity.run(str(tmp_path), SPEC, False, 1, stages=["preflight", "gate"])
@@ -534,21 +550,21 @@ def test_a_gate_that_cannot_pass_trains_no_more_of_its_runs(tmp_path, faked, mon
   with pytest.raises(UsageError, match=r"^stage gate stopped: narrow recall 0.450 at half the steps, 0.520 at all "
                                        r"of them: \+0.070"):
     capacity.run(str(tmp_path / "learns"), SPEC, False, 1, stages=["preflight", "gate"])
-  assert trained == GATE_RUNS[:1] + GATE_RUNS[:2]
+  assert trained == GATE_RUNS[:1] + GATE_RUNS[:-1]
   text = (tmp_path / "learns" / "capacity.md").read_text()
   assert "| room | **no** | no finished wide run |" in text and "Stopped: stage gate stopped: narrow recall" in text
 
 
 def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
-  """Every stage at the quick size: each arm trained for a quarter of the steps at the config's rate and a third of
-  it, then (its best being the higher) at three times it, then at the rate with the best recall; the confirmation
+  """Every stage at the quick size: each arm trained for a quarter of the steps at its rate and a third of it, then
+  (its rate being the best) at three times it, then at the rate with the best recall; the confirmation
   runs the memory arm and the iso-FLOP dense model at their rates, one run per seed and corpus; every run with memory
   is knocked out once; a second invocation trains nothing."""
   trained, evaluated, _ = faked
   out = str(tmp_path)
   text = capacity.run(out, SPEC, True, 1)
   arms = ["routed-prefix-attention", "dense-mlp624"]
-  rounds = (("0.00167", "0.005"), ("0.015",))
+  rounds = (("0.005", "0.00167"), ("0.015",))
   assert trained == GATE_RUNS + [f"{a}-base_lr{r}-memory_lr{r}-steps4" for rates in rounds for a in arms
                                  for r in rates] + [
       f"{a}-base_lr0.005-memory_lr0.005" for a in arms] + [
