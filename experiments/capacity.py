@@ -288,15 +288,15 @@ def choose_rates(lr_runs) -> dict:
   return {arm: _best(runs)["lr"] for arm, runs in arms.items()}
 
 
-def lr_search(points, lr_runs, shapes) -> tuple[list, dict]:
-  """The `lr` points to run given the finished `lr` runs, and per arm {rates: [the rungs run, or to run], best: the
-  rate of _best so far (None before a run finished), state: `bracketed` (a finished worse rung on either side of the
-  best), `at the ladder's end` or `searching`}. An arm's points are the rungs of its rates
-  (configs/capacity.py LR_MULTIPLES, in the order the search may reach them); it runs its first two points first,
-  then, while the best of what it has finished is the lowest or the highest of its rungs so far, the next rung past
-  it, up to the ends of the ladder. Three runs when the best is either starting rung, and never a rate picked at the
-  edge of what was tried unless the ladder ends there (the report says so)."""
-  done = {(r["arm"], r["lr"]): r for r in _done(lr_runs)}
+def lr_search(points, runs, shapes) -> tuple[list, dict]:
+  """The points of a rate search (sweep `gate_lr` or `lr`) to run given its finished `runs`, and per model {rates:
+  [the rungs run, or to run], best: the rate of _best so far (None before a run finished), state: `bracketed` (a
+  finished worse rung on either side of the best), `at the ladder's end` or `searching`}. A model's points are the
+  rungs of its rates (configs/capacity.py LR_MULTIPLES, in the order the search may reach them); it runs its first
+  two points first, then, while the best of what it has finished is the lowest or the highest of its rungs so far,
+  the next rung past it, up to the ends of the ladder. Three runs when the best is either starting rung, and never a
+  rate picked at the edge of what was tried unless the ladder ends there (the report says so)."""
+  done = {(r["arm"], r["lr"]): r for r in _done(runs)}
   arms, todo, search = {}, set(), {}
   for p in points:
     arms.setdefault(arm_of(p.overrides, shapes), []).append(p)
@@ -467,7 +467,7 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
             "gate_lr": "Stage `gate`, the learning-rate search (a quarter of the steps)",
             "gate": "Stage `gate`: narrow (and its cool-down at half the steps), wide, each at its rate",
-            "lr": "Stage `arms`, the learning-rate sweep (a quarter of the steps)",
+            "lr": "Stage `arms`, the learning-rate search (a quarter of the steps)",
             "arms": "Stage `arms`: every arm at its rate", "confirm": "Stage `confirm`: one run per seed and corpus"}
   for stage in STAGES:
     for sweep in SWEEPS[stage]:
@@ -621,7 +621,7 @@ def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
           refusal = str(e)
           break
         if [p.name for p in todo] == trained:
-          break  # one round but for the `lr` search, whose rounds each add a rung where an arm's best is at an end
+          break  # one round but for a rate search, whose rounds each add a rung where a model's best is at an end
         trained = [p.name for p in todo]
         count = f"{len(todo)} run" + "s" * (len(todo) != 1)
         print(f"capacity: stage {stage}, sweep {sweep} ({count}):", *capacity_lines(todo, size["shapes"]),
