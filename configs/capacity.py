@@ -7,7 +7,9 @@ one and never two: 79% of the slots scored, as with pad_truncate's rows; 256-tok
 uniformly (zipf_a = 0), each read DOCS_PER_ENTITY times in one pass, against a backbone too small to hold them.
 
 The study's default (experiments/capacity.py DEFAULT_CONFIG: `moc,words,entities=8192,readings=400,ramp=25600`) is
-the size whose gate passed at untuned rates (docs/results/2026-11-30-capacity-gate-d32.md; at the narrow backbone's searched rate it does not: docs/results/2026-12-02-capacity-study-part2.md): the biographies in the `facts` tokenizer's
+the size whose gate passed at untuned rates (docs/results/2026-11-30-capacity-gate-d32.md; at the narrow backbone's
+searched rate it does not: docs/results/2026-12-02-capacity-study-part2.md): the biographies in the `facts`
+tokenizer's
 words (36-token rows), 8,192 entities x 42.97 bits = 352.0 kbit of facts, each entity read 400 times, against the d 32
 narrow backbone (24,736 parameters without the tied embedding: 14.2 bits of facts per parameter; it takes them up in
 words, not in bytes) and the d 64 wide one (98,624: 3.57); memories of about 66k parameters (SHAPES["facts"]); the
