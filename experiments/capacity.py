@@ -453,7 +453,8 @@ def search_table(search) -> list[str]:
   """A rate search per model (lr_search's second value)."""
   lines = ["| model | rates | best | search |", "|---|---|---:|---|"]
   return lines + [f"| {arm} | {', '.join(f'{x:g}' for x in s['rates'])} | "
-                  f"{'' if s['best'] is None else format(s['best'], 'g')} | {s['state']} |" for arm, s in search.items()]
+                  f"{'' if s['best'] is None else format(s['best'], 'g')} | {s['state']} |"
+                  for arm, s in search.items()]
 
 
 def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=None) -> str:
