@@ -9,8 +9,8 @@ uniformly (zipf_a = 0), each read DOCS_PER_ENTITY times in one pass, against a b
 The study's default (experiments/capacity.py DEFAULT_CONFIG: `moc,words,entities=8192,readings=400,ramp=25600`) is
 the size whose gate passed at untuned rates (docs/results/2026-11-30-capacity-gate-d32.md; at the narrow backbone's
 searched rate it does not: docs/results/2026-12-02-capacity-study-part2.md): the biographies in the `facts`
-tokenizer's
-words (36-token rows), 8,192 entities x 42.97 bits = 352.0 kbit of facts, each entity read 400 times, against the d 32
+tokenizer's words (36-token rows), 8,192 entities x 42.97 bits = 352.0 kbit of facts, each entity read 400 times,
+against the d 32
 narrow backbone (24,736 parameters without the tied embedding: 14.2 bits of facts per parameter; it takes them up in
 words, not in bytes) and the d 64 wide one (98,624: 3.57); memories of about 66k parameters (SHAPES["facts"]); the
 iso-FLOP dense model SwiGLU 272. So far over capacity, twice the readings add little recall to a backbone that is full
@@ -45,8 +45,9 @@ together): 0.36 h a run alone. The others relative to it, measured (docs/results
 ±20%; their FLOPs say less for the memories): wide 2.2x, iso 1.3x, MoC 2.9x, hml 2.9x, FFN 1.9x, pkm 1.7x, cluster
 1.6x (12.4 for the six arms). In narrow runs: preflight 0.18 (1,144 steps); gate 1.1 (the narrow run and its
 cool-down at half its steps) + 2.2 = 3.3; arms, the lr
-sweep 3 rates (its search's fewest) x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 + 1.3) = 12.6: 38 narrow
-runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour; but its preflight
+sweep 3 rates (its search's fewest) x a quarter x 12.4 = 9.3 and the runs 12.4; confirm 3 seeds x (at most 2.9 +
+1.3) = 12.6: 38 narrow runs, about 14 h, evaluations (4,096 probes, about 20 s each, 5 a run) adding about an hour;
+but its preflight
 recalls 0.772 of the 0.9 the gate needs: 50 readings do not teach the backbone even 256 entities. At the readings
 that do (400 per entity, the `bound` modifier: 8x the steps; its preflight recalls 1.000; both in
 docs/results/2026-11-29-capacity-preflight.md) the study in bytes (`moc,bound,ramp=12800`) is about 114 h on this

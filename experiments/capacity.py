@@ -61,8 +61,8 @@ first, brought up to date after every sweep, however it ended, with capacity.md 
 docs/results/capacity-study/ is the default study's. The default `--config`,
 `configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600`, is the size whose gate passed at untuned
 rates (at the narrow backbone's searched rate it does not: +0.045, docs/results/2026-12-02-capacity-study-part2.md):
-the biographies
-in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 32 narrow backbone, 3.57 of the d 64
+the biographies in words, 8,192 entities (352.0 kbit of facts, 14.2 bits per parameter of the d 32 narrow backbone,
+3.57 of the d 64
 wide one), each read 400 times, met a few more at a time over the quarter of the run after its curriculum (without
 which the backbone stays at chance: docs/results/2026-11-29-capacity-gate-ramp.md). So far over its capacity, the
 narrow backbone's gain from twice the readings is small in recall (about 0.25 bits per parameter a doubling at
