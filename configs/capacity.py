@@ -70,7 +70,9 @@ steps scale with N; `readings=400` is `bound`);
 curriculum); `NAME,ramp=N`: the N updates after those about a set of entities growing geometrically from the
 curriculum's to all of them instead of all at once (a shorter run of a sweep has a ramp as long in proportion);
 `NAME,words`: the same documents in the `facts` tokenizer's words (moc_jax.data.tokenizers) instead of bytes: rows
-of WORD_ROW tokens instead of 192, 754 ids instead of 260, and the models of SHAPES["facts"].
+of WORD_ROW tokens instead of 192, 754 ids instead of 260, and the models of SHAPES["facts"]; `NAME,narrow=D`: the
+narrow backbone of width D that SHAPES sizes in the representation (words: 32, the default, or 16, whose wide backbone
+is the d 32 one), with its wide backbone, memories and rate.
 """
 from moc_jax.config import schema, sibling
 
@@ -120,28 +122,48 @@ SHAPES = {
     # x 16 tokens; pkm 64^2 slots x 64; hml two tables of 91^2 x 16; the cluster arm the same bank; FFN memory 1,370
     # columns of 3 x 64 split evenly between the levels (1370 // 32 = 42 per level-0 node, 1370 // 512 = 2 per leaf:
     # 1,184 columns, 44 fetched per token).
-    "byte": {"lr": 5e-3,
-             "narrow": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
-             "wide": {"model.d_model": 128, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 384},
-             "memory": {"memory.num_tokens": 257 * 16, "memory.num_chapters": 257, "memory.num_heads": 4,
-                        "memory.num_kv_heads": 4},
-             "pkm": {"memory.pkm_sub_keys": 64, "memory.pkm_key_dim": 64},
-             "arms": {"hml": {"memory.pkm_sub_keys": 91},
-                      "ffn": {"memory.cluster_chapters": (42, 2), "memory.num_chapters": 1184}}},
-    # d 32 takes the facts up in words (1,024 entities after 200 readings: 0.929; 256 after 400: 1.000:
-    # docs/results/2026-11-30-capacity-gate-d32.md). A bank of 129 chapters x 16 tokens; pkm 45^2 slots x 32; hml
-    # two tables of 45^2 x 16; the cluster arm 257 chapters (one per leaf) x 8 tokens; FFN memory 688 columns of 3 x 32
-    # split evenly between the levels (688 // 32 = 21 per level-0 node, 688 // 512 = 1 per leaf: 592 columns).
-    "facts": {"lr": 1e-2,
-              "narrow": {"model.d_model": 32, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 96},
-              "wide": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
-              "memory": {"memory.num_tokens": 129 * 16, "memory.num_chapters": 129, "memory.num_heads": 2,
-                         "memory.num_kv_heads": 2},
-              "pkm": {"memory.pkm_sub_keys": 45, "memory.pkm_key_dim": 32},
-              "arms": {"hml": {"memory.pkm_sub_keys": 45},
-                       "cluster": {"memory.num_chapters": 257, "memory.num_tokens": 257 * 8},
-                       "ffn": {"memory.cluster_chapters": (21, 1), "memory.num_chapters": 592}}},
+    "byte": {64: {
+        "lr": 5e-3,
+        "narrow": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
+        "wide": {"model.d_model": 128, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 384},
+        "memory": {"memory.num_tokens": 257 * 16, "memory.num_chapters": 257, "memory.num_heads": 4,
+                   "memory.num_kv_heads": 4},
+        "pkm": {"memory.pkm_sub_keys": 64, "memory.pkm_key_dim": 64},
+        "arms": {"hml": {"memory.pkm_sub_keys": 91},
+                 "ffn": {"memory.cluster_chapters": (42, 2), "memory.num_chapters": 1184}}}},
+    "facts": {
+        # d 32 takes the facts up in words (1,024 entities after 200 readings: 0.929; 256 after 400: 1.000:
+        # docs/results/2026-11-30-capacity-gate-d32.md). A bank of 129 chapters x 16 tokens; pkm 45^2 slots x 32; hml
+        # two tables of 45^2 x 16; the cluster arm 257 chapters (one per leaf) x 8 tokens; FFN memory 688 columns of
+        # 3 x 32 split evenly between the levels (688 // 32 = 21 per level-0 node, 688 // 512 = 1 per leaf: 592).
+        32: {"lr": 1e-2,
+             "narrow": {"model.d_model": 32, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 96},
+             "wide": {"model.d_model": 64, "model.num_heads": 4, "model.num_kv_heads": 2, "model.mlp_dim": 192},
+             "memory": {"memory.num_tokens": 129 * 16, "memory.num_chapters": 129, "memory.num_heads": 2,
+                        "memory.num_kv_heads": 2},
+             "pkm": {"memory.pkm_sub_keys": 45, "memory.pkm_key_dim": 32},
+             "arms": {"hml": {"memory.pkm_sub_keys": 45},
+                      "cluster": {"memory.num_chapters": 257, "memory.num_tokens": 257 * 8},
+                      "ffn": {"memory.cluster_chapters": (21, 1), "memory.num_chapters": 592}}},
+        # `narrow=16`: d 16 learns 256 entities from 400 readings (preflight recall 0.996 at 1e-2), and after 100
+        # readings of 8,192 entities recalls 0.311 at 1.11e-3 and 0.308 at 3.33e-3 (d 32: 0.446 and 0.410), about 0.3
+        # of d 32's facts held (docs/results/2026-12-06-capacity-gate-n16.md): a fact store of a third the size
+        # sits as far over its capacity, in a third of the steps. Its rate search starts between those two rates;
+        # its wide backbone is the d 32 one. A bank of 65 chapters x 16 tokens; pkm 32^2 slots x 16; hml two tables
+        # of 32^2 x 8; the cluster arm 257 chapters x 4 tokens; FFN memory 336 columns of 3 x 16 (5 per level-0
+        # node, 1 per leaf: 5 x 16 + 256).
+        16: {"lr": 1e-2 / 3,
+             "narrow": {"model.d_model": 16, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 48},
+             "wide": {"model.d_model": 32, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 96},
+             "memory": {"memory.num_tokens": 65 * 16, "memory.num_chapters": 65, "memory.num_heads": 2,
+                        "memory.num_kv_heads": 2},
+             "pkm": {"memory.pkm_sub_keys": 32, "memory.pkm_key_dim": 16},
+             "arms": {"hml": {"memory.pkm_sub_keys": 32},
+                      "cluster": {"memory.num_chapters": 257, "memory.num_tokens": 257 * 4},
+                      "ffn": {"memory.cluster_chapters": (5, 1), "memory.num_chapters": 336}}}},
 }
+# The narrow backbone's width of each representation when the config names none (`narrow=D`).
+NARROW = {"byte": 64, "facts": 32}
 # The arms that fetch memory by the document's path (data/cluster_paths.py): a 16-ary tree of 2 levels, 256 leaves
 # over the entities (16 a leaf at 4,096 if the tree finds them). They tell a router's failure from the bank's: a bank
 # read by what the document is about instead of by a learned router.
@@ -162,8 +184,8 @@ MEMORY_ARMS = {
 
 
 def shapes(c) -> dict:
-  """SHAPES of `c`'s representation."""
-  return SHAPES[c.data.tokenizer]
+  """SHAPES of `c`'s representation and narrow backbone (`c` is a study's base, whose width is the narrow one's)."""
+  return SHAPES[c.data.tokenizer][c.model.d_model]
 
 
 def wide(c) -> dict:
@@ -183,11 +205,12 @@ def _arm_names() -> list[str]:
   return [name for name, (_, kind) in MEMORY_ARMS.items() if kind in kinds]
 
 
-def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0, words=False):
-  """The base: the narrow backbone with the MoC arm's memory, the pkm / hml sizes where the schema has them, the
-  biography corpus of `entities` entities, one pass over it (docs_per_entity readings of each), its first updates
-  about `warm` entities only (0: no curriculum), the `ramp` updates after them about a set growing from those to all;
-  in bytes, or in the `facts` tokenizer's words with `words`."""
+def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0, words=False, narrow=None):
+  """The base: the narrow backbone (`narrow` wide, the representation's NARROW if None) with the MoC arm's memory,
+  the pkm / hml sizes where the schema has them, the biography corpus of `entities` entities, one pass over it
+  (docs_per_entity readings of each), its first updates about `warm` entities only (0: no curriculum), the `ramp`
+  updates after them about a set growing from those to all; in bytes, or in the `facts` tokenizer's words with
+  `words`."""
   c.model.update(vocab_size=260, max_seq_len=192, num_layers=2)
   # 192-token rows of whole documents: every biography fits one with its EOS, and two never share one.
   c.data.update(tokenizer="byte", seq_len=192, layout="pack_whole")
@@ -195,7 +218,7 @@ def _study(c, docs_per_entity=DOCS_PER_ENTITY, entities=ENTITIES, warm=0, ramp=0
     from moc_jax.data.tokenizers import get_tokenizer
     c.data.update(tokenizer="facts", seq_len=WORD_ROW)
     c.model.update(vocab_size=get_tokenizer("facts").vocab_size, max_seq_len=WORD_ROW)
-  c.update_from_flattened_dict(shapes(c)["narrow"])
+  c.update_from_flattened_dict(SHAPES[c.data.tokenizer][narrow or NARROW[c.data.tokenizer]]["narrow"])
   c.memory.update(num_shared=1, top_k=4, layer_indices=(0, 1))
   c.update_from_flattened_dict(shapes(c)["memory"])
   c.update_from_flattened_dict(memory_arms(c)["moc"])
@@ -392,23 +415,38 @@ def _ramp(mods, warm, steps) -> int:
   return ramp
 
 
+def _narrow(mods, tokenizer) -> int:
+  """The `narrow=D` modifier's D (the representation's NARROW without it): a width SHAPES sizes in that
+  representation."""
+  widths = sorted(SHAPES[tokenizer])
+  given = [m.removeprefix("narrow=") for m in mods if m.startswith("narrow=")]
+  if not given:
+    return NARROW[tokenizer]
+  if len(given) > 1 or not given[0].isdigit() or int(given[0]) not in widths:
+    raise ValueError(f"config modifiers {sorted('narrow=' + g for g in given)}: give one `narrow=D`, D a width the "
+                     f"study sizes in {'words' if tokenizer == 'facts' else 'bytes'}: {' or '.join(map(str, widths))}"
+                     " (e.g. `configs/capacity.py:moc,words,narrow=16`)")
+  return int(given[0])
+
+
 def get_config(arg="moc"):
   models = _models()
   name, mods = schema.parse_arg(arg, models)
   unknown = {m for m in mods if m not in ("bound", "words")
-             and not m.startswith(("entities=", "readings=", "warm=", "ramp="))}
+             and not m.startswith(("entities=", "readings=", "warm=", "ramp=", "narrow="))}
   if unknown:
     raise ValueError(f"config arg {arg!r}: unknown modifiers {sorted(unknown)}; configs/capacity.py takes `bound`, "
-                     "`words`, `readings=N`, `entities=N`, `warm=N` and `ramp=N` (e.g. "
+                     "`words`, `readings=N`, `entities=N`, `warm=N`, `ramp=N` and `narrow=D` (e.g. "
                      "`configs/capacity.py:moc,bound,entities=1024`)")
   docs_per_entity = _readings(mods)
   entities = _entities(mods, docs_per_entity)
   warm = _warm(mods, entities)
   ramp = _ramp(mods, warm, entities * docs_per_entity // BATCH)
-  base = _study(schema.base_config(), docs_per_entity, entities, warm, ramp, words="words" in mods)
+  narrow = _narrow(mods, "facts" if "words" in mods else "byte")
+  base = _study(schema.base_config(), docs_per_entity, entities, warm, ramp, words="words" in mods, narrow=narrow)
   base.update_from_flattened_dict(models[name](base))
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
   base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
                + (f"-w{warm}" if warm != _default_warm(entities) else "") + (f"-ramp{ramp}" if ramp else "")
-               + ("-words" if "words" in mods else ""))
+               + ("-words" if "words" in mods else "") + (f"-n{narrow}" if narrow != NARROW[base.data.tokenizer] else ""))
   return base

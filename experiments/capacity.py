@@ -40,11 +40,13 @@ The gate (gate_verdict) passes when all three hold:
                  started (a model at 1 bit per parameter would hold half the default's facts);
   room           the wide model's recall beats the narrow one's by at least GATE_GAP = 0.05 and GATE_Z = 3 combined
                  binomial standard errors: more parameters hold more of the same facts, so the narrow backbone's
-                 plateau is below the facts it saw.
+                 plateau is below the facts it saw. The wide backbone's rate-search run at its chosen rate (a quarter
+                 of the steps) meets it already when it beats the narrow run by those margins: the wide run would
+                 only read the same facts more often, so it is not trained (it saves the gate's longest run).
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
 0.9; the narrow run first, and the wide run (the longest, about half an hour at the default on a 2-core CPU) only if the
-narrow one ended at or over the floor and had plateaued. No memory result counts without the gate: stages arms and
+narrow one ended at or over the floor and had plateaued, and the wide search run did not already show the room. No memory result counts without the gate: stages arms and
 confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
 without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
 says, and its report still counts no goal without a gate that passed.
@@ -159,12 +161,15 @@ def _unfinished(runs: dict) -> str:
   return f"no finished {' and '.join(missing)} run{'s' if len(missing) > 1 else ''}"
 
 
-def gate_verdict(preflight, narrow, half, wide) -> dict:
+def gate_verdict(preflight, narrow, half, wide, wide_quarter=None) -> dict:
   """The gate's rule on the runs' final scores, each {recall, probes} (None: not in DIR): {passed, checks: [(name,
-  met, numbers)], lost}; a check whose runs are missing is not met; `lost` holds the numbers of the checks that
-  failed on finished runs, each of which fails the gate whatever the runs still missing show (a narrow run that
+  met, numbers)], lost, room_early}; a check whose runs are missing is not met; `lost` holds the numbers of the checks
+  that failed on finished runs, each of which fails the gate whatever the runs still missing show (a narrow run that
   ended under the plateau's floor fails it whatever its recall at half the steps). `half` is the narrow run's
-  cool-down at half its steps."""
+  cool-down at half its steps. `wide_quarter` is the wide backbone's run of its rate search at the rate the gate runs
+  it at (a quarter of the steps): where it already beats the narrow run by the room check's margins, the room check
+  is met (`room_early`) without the wide run, since more readings of the same facts do not lower what a backbone
+  holds; where it does not, the wide run decides."""
   checks, lost = [], []
 
   def check(name, met, numbers, decided=True):
@@ -188,15 +193,25 @@ def gate_verdict(preflight, narrow, half, wide) -> dict:
     check("plateaued", rise <= PLATEAU_RISE, f"narrow recall {half['recall']:.3f} at half the steps, "
           f"{narrow['recall']:.3f} at all of them: {rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ "
           f"{CHANCE + PLATEAU_FLOOR:g})")
-  if narrow is None or wide is None:
+  early = wide is None and narrow is not None and wide_quarter is not None and _room(wide_quarter, narrow)[0]
+  if early:
+    check("room", True, f"wide recall {wide_quarter['recall']:.3f} after a quarter of the steps (its rate search's "
+          f"run) against narrow {narrow['recall']:.3f} after all of them: {_room(wide_quarter, narrow)[1]}; the wide "
+          "run is not trained (more readings of the same facts do not lower what it holds)")
+  elif narrow is None or wide is None:
     check("room", False, _unfinished({"narrow": narrow, "wide": wide}), decided=False)
   else:
-    gap = wide["recall"] - narrow["recall"]
-    z = gap / math.hypot(binomial_se(wide["recall"], wide["probes"]), binomial_se(narrow["recall"], narrow["probes"]))
-    check("room", gap >= GATE_GAP and z >= GATE_Z,
-          f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {gap:+.3f}, {z:+.1f} combined "
-          f"standard errors (needs ≥ {GATE_GAP:+g} and ≥ {GATE_Z:g})")
-  return {"passed": all(met for _, met, _ in checks), "checks": checks, "lost": lost}
+    met, numbers = _room(wide, narrow)
+    check("room", met, f"wide recall {wide['recall']:.3f} against narrow {narrow['recall']:.3f}: {numbers}")
+  return {"passed": all(met for _, met, _ in checks), "checks": checks, "lost": lost, "room_early": early}
+
+
+def _room(wide, narrow) -> tuple[bool, str]:
+  """The room check on two scores: (met, its numbers)."""
+  gap = wide["recall"] - narrow["recall"]
+  z = gap / math.hypot(binomial_se(wide["recall"], wide["probes"]), binomial_se(narrow["recall"], narrow["probes"]))
+  return gap >= GATE_GAP and z >= GATE_Z, (f"{gap:+.3f}, {z:+.1f} combined standard errors (needs ≥ {GATE_GAP:+g} "
+                                           f"and ≥ {GATE_Z:g})")
 
 
 def goal_verdict(memory, dense) -> dict:
@@ -518,16 +533,19 @@ def _narrow(point) -> bool:
 
 def _gate(spec, size, runs) -> dict:
   """gate_verdict on the preflight and the gate runs DIR holds at the rates the `gate_lr` search chose (planned to
-  find them by name)."""
-  def score(sweep, name):
-    r = _by_name(runs.get(sweep), name)
+  find them by name), and the wide backbone's `gate_lr` run at its chosen rate."""
+  def score(r):
     return None if r is None else {"recall": r["recall"], "probes": r["probes"]}
   preflight = _plan(spec, "preflight", size)[0].name
   chosen = sweep_points(spec, "gate", size, runs)
-  narrow, wide = (next((p.name for p in chosen if _narrow(p) == n), None) for n in (True, False))
-  run = _by_name(runs.get("gate"), narrow)
+  narrow, wide = (next((p for p in chosen if _narrow(p) == n), None) for n in (True, False))
+  run = None if narrow is None else _by_name(runs.get("gate"), narrow.name)
   half = None if run is None else run["cooled"].get(round(run["steps"] / 2))
-  return gate_verdict(score("preflight", preflight), score("gate", narrow), half, score("gate", wide))
+  quarter = None if wide is None else next(
+      (r for r in _done(runs.get("gate_lr")) if r["arm"] == arm_of(wide.overrides, size["shapes"])
+       and r["lr"] == wide.config.train.base_lr), None)
+  return gate_verdict(score(_by_name(runs.get("preflight"), preflight)), score(run), half,
+                      score(None if wide is None else _by_name(runs.get("gate"), wide.name)), score(quarter))
 
 
 def _goal(runs) -> dict | None:
@@ -540,32 +558,40 @@ def _goal(runs) -> dict | None:
   return {**goal_verdict(memory, dense), "arm": memory[0]["arm"], "dense_arm": dense[0]["arm"], "n": len(memory)}
 
 
-def _phases(spec, sweep, size, points) -> list[list]:
+def _phases(sweep, points) -> list[list]:
   """The points of `sweep` in the order the gate can fail on them, each phase the points up to it: the gate's narrow
   run (its plateau check, with its cool-down), then both (the wide run: the longest, and useless to train once the
-  plateau check has failed); any other sweep in one phase."""
+  plateau check has failed, or once its rate search's run has met the room check); any other sweep in one phase."""
   if sweep != "gate":
     return [points]
   return [[p for p in points if _narrow(p)], points]
 
 
-def _gate_lost(out, spec, size) -> str | None:
-  """The refusal of the gate's next runs when the runs DIR holds have already failed it; None while it can pass."""
-  lost = _gate(spec, size, read_all(out, size))["lost"]
-  if not lost:
+def _gate_lost(verdict) -> str | None:
+  """The refusal of the gate's next runs when the runs DIR holds have already failed it (`verdict`: _gate's); None
+  while it can pass."""
+  if not verdict["lost"]:
     return None
-  return (f"stage gate stopped: {'; '.join(lost)}; the gate cannot pass, so its other runs are not trained (the "
-          "levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N)")
+  return (f"stage gate stopped: {'; '.join(verdict['lost'])}; the gate cannot pass, so its other runs are not trained "
+          "(the levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N, narrow=D)")
 
 
 def _train_phases(out, spec, sweep, points, parallel, size, quick) -> str | None:
   """Trains `points` phase by phase (_phases), the gate's next phase only while its finished runs leave it able to
-  pass (always when quick); returns the refusal that stopped it, None when every point was trained."""
-  for phase in _phases(spec, sweep, size, points):
-    refusal = None if quick or sweep not in SWEEPS["gate"] else _gate_lost(out, spec, size)
-    if refusal:
-      return refusal
-    _run_sweep(out, spec, sweep, phase, parallel, size)
+  pass (always when quick), and without the wide run once the room check is met without it; returns the refusal
+  that stopped it, None when every point was trained."""
+  trained = None
+  for phase in _phases(sweep, points):
+    if sweep in SWEEPS["gate"]:
+      verdict = _gate(spec, size, read_all(out, size))
+      refusal = None if quick else _gate_lost(verdict)
+      if refusal:
+        return refusal
+      if sweep == "gate" and verdict["room_early"]:
+        phase = [p for p in phase if _narrow(p)]
+    if phase != trained:
+      _run_sweep(out, spec, sweep, phase, parallel, size)
+    trained = phase
   return None
 
 
