@@ -189,10 +189,11 @@ def gate_verdict(preflight, narrow, half, wide, wide_quarter=None) -> dict:
   elif half is None:
     check("plateaued", False, "the narrow run has no cool-down at half its steps (train.cooldowns)", decided=False)
   else:
-    rise = narrow["recall"] - half["recall"]
+    # in probes too: a rise within a probe of the bound reads as the bound itself at 3 digits
+    rise, probes = narrow["recall"] - half["recall"], narrow["probes"]
     check("plateaued", rise <= PLATEAU_RISE, f"narrow recall {half['recall']:.3f} at half the steps, "
-          f"{narrow['recall']:.3f} at all of them: {rise:+.3f} (needs ≤ {PLATEAU_RISE:+g}, at ≥ "
-          f"{CHANCE + PLATEAU_FLOOR:g})")
+          f"{narrow['recall']:.3f} at all of them: {rise:+.3f}, {rise * probes:+.0f} of {probes:,} probes (needs ≤ "
+          f"{PLATEAU_RISE:+g}, {PLATEAU_RISE * probes:.1f} probes, at ≥ {CHANCE + PLATEAU_FLOOR:g})")
   early = wide is None and narrow is not None and wide_quarter is not None and _room(wide_quarter, narrow)[0]
   if early:
     check("room", True, f"wide recall {wide_quarter['recall']:.3f} after a quarter of the steps (its rate search's "

@@ -32,8 +32,17 @@ def checks(verdict):
 def test_the_gate_passes_when_learnable_plateaued_and_the_wide_model_holds_more():
   verdict = capacity.gate_verdict(score(0.97, 2304), score(0.52), score(0.51), score(0.70))
   assert verdict["passed"] and checks(verdict) == {"learnable": True, "plateaued": True, "room": True}
-  assert "+0.010 (needs ≤ +0.02, at ≥ 0.35)" in verdict["checks"][1][2]
+  assert "+0.010, +41 of 4,096 probes (needs ≤ +0.02, 81.9 probes, at ≥ 0.35)" in verdict["checks"][1][2]
   assert "+0.180, +17.0 combined standard errors" in verdict["checks"][2][2]
+
+
+def test_a_rise_one_probe_over_the_bound_fails_and_says_so_in_probes():
+  """82 more probes of 4,096 known at all the steps than at half of them: +0.02002, over the +0.02 allowed (81.92
+  probes), though both read +0.020 at three digits; 81 more pass."""
+  over = capacity.gate_verdict(score(0.97), score(1556 / 4096), score(1474 / 4096), None)
+  assert over["lost"] == ["narrow recall 0.360 at half the steps, 0.380 at all of them: +0.020, +82 of 4,096 probes "
+                          "(needs ≤ +0.02, 81.9 probes, at ≥ 0.35)"]
+  assert checks(capacity.gate_verdict(score(0.97), score(1555 / 4096), score(1474 / 4096), None))["plateaued"]
 
 
 @pytest.mark.parametrize("preflight, narrow, half, wide, failed", [
@@ -63,8 +72,8 @@ def test_a_narrow_run_under_the_floor_fails_the_gate_without_its_other_runs():
 def test_a_check_its_finished_runs_fail_is_lost_whatever_the_missing_runs():
   assert capacity.gate_verdict(score(0.60), None, None, None)["lost"] == ["preflight recall 0.600 (needs ≥ 0.9)"]
   rising = capacity.gate_verdict(score(0.97), score(0.52), score(0.45), None)
-  assert rising["lost"] == [("narrow recall 0.450 at half the steps, 0.520 at all of them: +0.070 (needs ≤ +0.02, "
-                             "at ≥ 0.35)")]
+  assert rising["lost"] == [("narrow recall 0.450 at half the steps, 0.520 at all of them: +0.070, +287 of 4,096 "
+                             "probes (needs ≤ +0.02, 81.9 probes, at ≥ 0.35)")]
   assert capacity.gate_verdict(score(0.97), score(0.52), score(0.51), None)["lost"] == []
   both = capacity.gate_verdict(score(0.60), score(0.52), score(0.51), score(0.53))
   assert [text[:14] for text in both["lost"]] == ["preflight reca", "wide recall 0."]
