@@ -72,7 +72,8 @@ curriculum's to all of them instead of all at once (a shorter run of a sweep has
 `NAME,words`: the same documents in the `facts` tokenizer's words (moc_jax.data.tokenizers) instead of bytes: rows
 of WORD_ROW tokens instead of 192, 754 ids instead of 260, and the models of SHAPES["facts"]; `NAME,narrow=D`: the
 narrow backbone of width D that SHAPES sizes in the representation (words: 32, the default, or 16, whose wide backbone
-is the d 32 one), with its wide backbone, memories and rate.
+is the d 32 one), with its wide backbone, memories and rate (its gate at 6,144 and 6,912 entities fails by a probe
+and by the floor: docs/results/2026-12-06-capacity-gate-n16.md).
 """
 from moc_jax.config import schema, sibling
 
