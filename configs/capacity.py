@@ -449,5 +449,6 @@ def get_config(arg="moc"):
   readings = {DOCS_PER_ENTITY: "", BOUND_DOCS_PER_ENTITY: "-bound"}.get(docs_per_entity, f"-r{docs_per_entity}")
   base.name = (f"capacity-{name.replace('=', '-')}{readings}" + (f"-e{entities}" if entities != ENTITIES else "")
                + (f"-w{warm}" if warm != _default_warm(entities) else "") + (f"-ramp{ramp}" if ramp else "")
-               + ("-words" if "words" in mods else "") + (f"-n{narrow}" if narrow != NARROW[base.data.tokenizer] else ""))
+               + ("-words" if "words" in mods else "")
+               + (f"-n{narrow}" if narrow != NARROW[base.data.tokenizer] else ""))
   return base

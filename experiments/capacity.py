@@ -46,10 +46,11 @@ The gate (gate_verdict) passes when all three hold:
 A check its finished runs fail fails the gate whatever the others show, so the stage trains its runs in that order
 and stops (one line, exit 2, after the report) as soon as the gate cannot pass: not at all after a preflight under
 0.9; the narrow run first, and the wide run (the longest, about half an hour at the default on a 2-core CPU) only if the
-narrow one ended at or over the floor and had plateaued, and the wide search run did not already show the room. No memory result counts without the gate: stages arms and
-confirm refuse to run (one error line, exit 2) until DIR holds a gate that passed, and the report judges no goal
-without one. `--quick` (tiny shapes that test the harness in minutes; CI runs it) runs every stage whatever the gate
-says, and its report still counts no goal without a gate that passed.
+narrow one ended at or over the floor and had plateaued, and the wide search run did not already show the room. No
+memory result counts without the gate: stages arms and confirm refuse to run (one error line, exit 2) until DIR holds
+a gate that passed, and the report judges no goal without one. `--quick` (tiny shapes that test the harness in
+minutes; CI runs it) runs every stage whatever the gate says, and its report still counts no goal without a gate that
+passed.
 
 The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model on recall with Welch's t of at
 least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its recall above
