@@ -155,7 +155,6 @@ SHAPES = {
         # node, 1 per leaf: 5 x 16 + 256).
         16: {"lr": 1e-2 / 3,
              "narrow": {"model.d_model": 16, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 48},
-             "wide": {"model.d_model": 32, "model.num_heads": 2, "model.num_kv_heads": 1, "model.mlp_dim": 96},
              "memory": {"memory.num_tokens": 65 * 16, "memory.num_chapters": 65, "memory.num_heads": 2,
                         "memory.num_kv_heads": 2},
              "pkm": {"memory.pkm_sub_keys": 32, "memory.pkm_key_dim": 16},
@@ -163,6 +162,7 @@ SHAPES = {
                       "cluster": {"memory.num_chapters": 257, "memory.num_tokens": 257 * 4},
                       "ffn": {"memory.cluster_chapters": (5, 1), "memory.num_chapters": 336}}}},
 }
+SHAPES["facts"][16]["wide"] = SHAPES["facts"][32]["narrow"]  # d 16's wide backbone is the d 32 study's narrow one
 # The narrow backbone's width of each representation when the config names none (`narrow=D`).
 NARROW = {"byte": 64, "facts": 32}
 # The arms that fetch memory by the document's path (data/cluster_paths.py): a 16-ary tree of 2 levels, 256 leaves
