@@ -382,6 +382,33 @@ def _quiet_tfds():
     logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _sorted_in_memory():
+  """TFDS orders a split's examples by hashed key in memory up to `shuffle.MAX_MEM_BUFFER_SIZE` (1 GB of serialized
+  examples) and beyond it spills them into hash-range buckets through `tf.io.gfile`: TensorFlow, which this project
+  does not install, so a large corpus died after minutes of generating, in a traceback. The buckets are sorted ranges
+  of the same keys, so the order, and the corpus, is the same either way: keep up to half this machine's memory in
+  the buffer instead, and say so in one line where even that is too little."""
+  from tensorflow_datasets.core import shuffle
+  default = shuffle.MAX_MEM_BUFFER_SIZE
+  shuffle.MAX_MEM_BUFFER_SIZE = max(default, _memory_bytes() // 2)
+  try:
+    yield
+  except ModuleNotFoundError as e:
+    if e.name != "tensorflow":
+      raise
+    limit = shuffle.MAX_MEM_BUFFER_SIZE / 2**30
+    raise DataError(f"config.data.facts: the corpus's documents take more than {limit:.1f} GiB (half this machine's "
+                    "memory) to put in order, and TFDS spills them to disk only through TensorFlow: generate it on a "
+                    "machine with more memory, or lower data.facts.num_docs") from None
+  finally:
+    shuffle.MAX_MEM_BUFFER_SIZE = default
+
+
+def _memory_bytes() -> int:
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def facts_builder(facts, data_dir: str) -> MocFacts:
   """The prepared builder for `config.data.facts` (generated on first use; a file lock serialises processes)."""
   cfg = MocFactsConfig.for_sizes(facts)
@@ -395,5 +422,6 @@ def facts_builder(facts, data_dir: str) -> MocFacts:
         fcntl.flock(lock, fcntl.LOCK_EX)
         builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
         if not builder.is_prepared():
-          builder.download_and_prepare()
+          with _sorted_in_memory():
+            builder.download_and_prepare()
   return builder

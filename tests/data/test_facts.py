@@ -90,6 +90,31 @@ def test_builder_is_deterministic_and_cached_per_config(tmp_path):
        "e60_d600_v40_z1.1_s0_p1_c4", "e60_d600_v40_z1.1_s3_p1_c4"])
 
 
+def test_a_corpus_over_tfds_memory_buffer_is_ordered_in_memory_and_is_the_same_corpus(tmp_path, monkeypatch):
+  """Past shuffle.MAX_MEM_BUFFER_SIZE TFDS spills examples to disk through TensorFlow, which is not installed: with
+  the buffer cut to 1 kB this corpus (about 60 kB) would end in ModuleNotFoundError. It is generated, and record for
+  record equal to the one ordered under TFDS's own 1 GB buffer."""
+  from tensorflow_datasets.core import shuffle
+  facts = tiny_facts()
+  whole = facts_builder(facts, str(tmp_path / "whole"))
+  monkeypatch.setattr(shuffle, "MAX_MEM_BUFFER_SIZE", 1000)
+  spilled = facts_builder(facts, str(tmp_path / "spilled"))
+  assert shuffle.MAX_MEM_BUFFER_SIZE == 1000  # TFDS's limit is back as it was
+  for split in ("train", "validation", "paraphrase", "probes"):
+    ra, rb = whole.as_data_source(split), spilled.as_data_source(split)
+    assert len(ra) == len(rb) and all(ra[i] == rb[i] for i in range(len(ra)))
+
+
+def test_a_corpus_over_half_the_memory_is_one_error_line(tmp_path, monkeypatch):
+  from moc_jax.data import facts as facts_module
+  from tensorflow_datasets.core import shuffle
+  monkeypatch.setattr(shuffle, "MAX_MEM_BUFFER_SIZE", 1000)
+  monkeypatch.setattr(facts_module, "_memory_bytes", lambda: 2000)
+  with pytest.raises(DataError, match=r"config.data.facts: the corpus's documents take more than 0.0 GiB .* lower "
+                     r"data.facts.num_docs"):
+    facts_builder(tiny_facts(), str(tmp_path))
+
+
 @pytest.mark.parametrize("field, value", [("num_candidates", 1), ("num_candidates", 50), ("probes_per_fact", 5),
                                           ("num_entities", 0)])
 def test_invalid_facts_config(field, value, tmp_path):
