@@ -575,7 +575,8 @@ def _gate_lost(verdict) -> str | None:
   if not verdict["lost"]:
     return None
   return (f"stage gate stopped: {'; '.join(verdict['lost'])}; the gate cannot pass, so its other runs are not trained "
-          "(the levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N, narrow=D)")
+          "(the levers: configs/capacity.py's readings=N, warm=N, ramp=N, entities=N, narrow=D; the corpus sizes "
+          "where it could pass: python -m experiments.capacity_window --run=<the narrow gate run's directory>)")
 
 
 def _train_phases(out, spec, sweep, points, parallel, size, quick) -> str | None:
