@@ -46,8 +46,9 @@ def curve(rows, steps, readings, fact_bits) -> list[dict]:
 
 def window(held, gain, bits_per_entity) -> tuple[float, float] | None:
   """The entities of the corpora on which a backbone holding `held` kbit, `gain` of them won in the last doubling of
-  its readings, passes the plateau check and the floor (the module's docstring); None when no corpus does."""
-  smallest = (1 - CHANCE) * gain / PLATEAU_RISE * 1e3 / bits_per_entity
+  its readings, passes the plateau check and the floor (the module's docstring); None when no corpus does. A backbone
+  that gained nothing passes the plateau check on any corpus, so its window starts at 0."""
+  smallest = max(0.0, (1 - CHANCE) * gain / PLATEAU_RISE * 1e3 / bits_per_entity)
   largest = (1 - CHANCE) * held / PLATEAU_FLOOR * 1e3 / bits_per_entity
   return (smallest, largest) if smallest <= largest else None
 
@@ -66,9 +67,15 @@ def table(points, bits_per_entity) -> list[str]:
       span = window(p["held"], gain, bits_per_entity)
       cells += [f"{p['recall'] - before['recall']:+.3f}, {round((p['recall'] - before['recall']) * p['probes']):+,}",
                 f"{gain / p['held']:.3f}" if p["held"] else "",
-                f"{span[0]:,.0f} to {span[1]:,.0f} ({span[1] / span[0]:.2f}x)" if span else "none"]
+                _entities(span)]
     lines.append("| " + " | ".join(cells + [""] * (8 - len(cells))) + " |")
   return lines
+
+
+def _entities(span) -> str:
+  if span is None:
+    return "none"
+  return f"up to {span[1]:,.0f}" if span[0] == 0 else f"{span[0]:,.0f} to {span[1]:,.0f} ({span[1] / span[0]:.2f}x)"
 
 
 def read(workdir) -> tuple[list[dict], float]:

@@ -16,6 +16,8 @@ def test_the_window_by_hand():
   assert capacity_window.window(41.2, 6.5, 40) == pytest.approx((6093.75, 7725.0))
   # dH / H = 0.25 is over PLATEAU_RISE / PLATEAU_FLOOR = 0.2: a corpus small enough for the floor rises too much
   assert capacity_window.window(10.0, 2.5, 40) is None
+  # nothing won: the plateau check holds on any corpus, the floor up to 0.75 * 10 / 0.1 = 75 kbit (1,875 entities)
+  assert capacity_window.window(10.0, -1.0, 40) == pytest.approx((0.0, 1875.0))
 
 
 def test_the_curve_reads_readings_from_updates_and_held_bits_from_recall():
