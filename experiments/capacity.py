@@ -59,8 +59,9 @@ chance (means over seeds).
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
 the next (a machine that keeps nothing from one job to the next), --records=RECORDS keeps what the parts need of it
-(experiments/records.py: each finished and evaluated run without its checkpoints, about 160 kB): restored into DIR
-first, brought up to date after every sweep, however it ended, with capacity.md beside it;
+(experiments/records.py: each finished and evaluated run without its checkpoints, about 160 kB, and each run stopped
+before that with its newest checkpoint, about 1 MB, so that the next part resumes it): restored into DIR first,
+brought up to date after every sweep, however it ended (a part ends well with one Ctrl-C), with capacity.md beside it;
 docs/results/capacity-study/ is the default study's. The default `--config`,
 `configs/capacity.py:moc,words,entities=8192,readings=400,ramp=25600`, is the size whose gate passed at untuned
 rates (at the narrow backbone's searched rate it does not: +0.045, docs/results/2026-12-02-capacity-study-part2.md):
@@ -131,8 +132,9 @@ def define_flags():
   FLAGS.set_default("config", DEFAULT_CONFIG)
   flags.DEFINE_list("stages", list(STAGES), "The stages to run, of preflight, gate, arms, confirm; the others are "
                     "reported from what DIR holds of them.")
-  flags.DEFINE_string("records", "", "A directory of the study's finished runs without their checkpoints "
-                      "(experiments/records.py): restored into DIR first, brought up to date after each sweep, "
+  flags.DEFINE_string("records", "", "A directory of the study's finished runs without their checkpoints and its "
+                      "stopped runs with their newest (experiments/records.py): restored into DIR first (a stopped run "
+                      "resumes from its checkpoint), brought up to date after each sweep, "
                       "capacity.md beside them; for a study that goes on where DIR does not survive.")
 
 
@@ -630,7 +632,8 @@ def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
     planned = {(sweep, p.name): json.loads(p.config.to_json_best_effort(sort_keys=True))
                for sweep in ALL_SWEEPS for p in _plan(spec, sweep, size)}
     restored = records.restore(kept, out, ALL_SWEEPS, spec, planned)
-    print(f"capacity: {restored} finished run{'s' * (restored != 1)} restored from {kept}", flush=True)
+    print(f"capacity: {restored} run{'s' * (restored != 1)} restored from {kept} (a stopped one resumes from its "
+          "checkpoint)", flush=True)
   os.makedirs(out, exist_ok=True)
   wall, refusal, stopped = {}, None, None
   for stage in STAGES:

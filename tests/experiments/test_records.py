@@ -1,15 +1,17 @@
-"""experiments/records.py: a study's finished runs kept without their checkpoints and put back into a directory
-that lost them; the capacity study carried over a lost DIR with training faked (tests/experiments/test_capacity.py's
-fake) trains nothing twice and reports the same."""
+"""experiments/records.py: a study's finished runs kept without their checkpoints, its stopped runs with their newest,
+and put back into a directory that lost them; a stopped run restored resumes on the curve of one never stopped; the
+capacity study carried over a lost DIR with training faked (tests/experiments/test_capacity.py's fake) trains nothing
+twice and reports the same."""
 import gzip
 import json
+import logging
 import os
 import shutil
 
 import pytest
 
 from experiments import capacity, evaluation, records
-from experiments.sweeps.runs import read_manifest, write_manifest
+from experiments.sweeps.runs import latest_checkpoint, read_manifest, write_manifest
 from moc_jax.errors import UsageError
 
 from tests.experiments.test_capacity import SPEC, faked  # noqa: F401  (a fixture)
@@ -20,9 +22,12 @@ METRICS = [{"step": 0, "split": "validation", "probe_acc": 0.25, "ce": 2.0},
 
 def _run(sweep_dir, name, status="done", steps=16, checkpoint=True, spec=SPEC):
   """A run as the launcher leaves it: config.json, metrics.jsonl (its last evaluation at `steps` if done), a
-  checkpoint of its last step, an eval.json; and its manifest entry."""
+  checkpoint of its last step (of step 8 if stopped) unless `checkpoint` is False, an eval.json; and its manifest
+  entry."""
   workdir = os.path.join(sweep_dir, name)
-  os.makedirs(os.path.join(workdir, "checkpoints", str(steps if status == "done" else 8)))
+  os.makedirs(workdir)
+  if checkpoint:
+    os.makedirs(os.path.join(workdir, "checkpoints", str(steps if status == "done" else 8)))
   rows = METRICS if status == "done" else METRICS[:2]
   with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -42,7 +47,7 @@ def _done(workdir, entry):
 def test_a_saved_run_comes_back_whole_without_its_checkpoints(tmp_path):
   out, kept, again = tmp_path / "dir", tmp_path / "records", tmp_path / "again"
   workdir = _run(str(out / "gate"), "narrow")
-  _run(str(out / "gate"), "wide", status="pending")
+  _run(str(out / "gate"), "wide", status="pending", checkpoint=False)  # stopped before its first checkpoint
   assert records.save(str(out), str(kept), ["preflight", "gate"], _done) == 1
   assert sorted(os.listdir(kept / "gate")) == ["manifest.jsonl", "narrow"]
   assert sorted(os.listdir(kept / "gate" / "narrow")) == ["config.json", "eval.json", "metrics.jsonl.gz"]
@@ -78,6 +83,74 @@ def test_a_run_dir_holds_is_never_overwritten_by_the_record(tmp_path):
   assert records.restore(str(kept), str(out), ["gate"], SPEC) == 0
   assert os.path.isdir(os.path.join(resuming, "checkpoints", "8"))
   assert [e["status"] for e in read_manifest(str(out / "gate"))] == ["pending"]
+
+
+def test_a_stopped_run_is_kept_with_its_newest_checkpoint_until_it_is_complete(tmp_path):
+  out, kept, again = tmp_path / "dir", tmp_path / "records", tmp_path / "again"
+  workdir = _run(str(out / "gate"), "narrow", status="pending")
+  os.makedirs(os.path.join(workdir, "checkpoints", "4"))  # an older step beside the newest, 8
+  (tmp_path / "step8").write_text("state at 8")
+  shutil.copy(tmp_path / "step8", os.path.join(workdir, "checkpoints", "8", "state"))
+  assert records.save(str(out), str(kept), ["gate"], _done) == 0  # not complete: none newly recorded complete
+  assert os.listdir(kept / "gate" / "narrow" / "checkpoints") == ["8"]
+  [entry] = read_manifest(str(kept / "gate"))
+  assert (entry["status"], entry["wall_s"], entry["attempts"]) == ("pending", 12.5, 2)
+  assert records.restore(str(kept), str(again), ["gate"], SPEC) == 1
+  back = again / "gate" / "narrow"
+  assert (back / "checkpoints" / "8" / "state").read_text() == "state at 8" and latest_checkpoint(str(back)) == 8
+  assert [e["status"] for e in read_manifest(str(again / "gate"))] == ["pending"]
+  os.makedirs(back / "checkpoints" / "16")  # the next part: on from step 8, then to its end
+  with open(back / "metrics.jsonl", "a") as f:
+    f.write(json.dumps(METRICS[2]) + "\n")
+  entries = read_manifest(str(again / "gate"))
+  write_manifest(str(again / "gate"), [{**entries[0], "status": "done"}])
+  assert records.save(str(again), str(kept), ["gate"], _done) == 1
+  assert sorted(os.listdir(kept / "gate" / "narrow")) == ["config.json", "eval.json", "metrics.jsonl.gz"]
+  assert [e["status"] for e in read_manifest(str(kept / "gate"))] == ["done"]
+
+
+def test_a_complete_record_is_never_replaced_by_a_stopped_run(tmp_path):
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow")
+  records.save(str(out), str(kept), ["gate"], _done)
+  packed = (kept / "gate" / "narrow" / "metrics.jsonl.gz").read_bytes()
+  shutil.rmtree(out)
+  _run(str(out / "gate"), "narrow", status="pending")  # trained again elsewhere, and stopped
+  assert records.save(str(out), str(kept), ["gate"], _done) == 0
+  assert (kept / "gate" / "narrow" / "metrics.jsonl.gz").read_bytes() == packed
+  assert not (kept / "gate" / "narrow" / "checkpoints").exists()
+  assert [e["status"] for e in read_manifest(str(kept / "gate"))] == ["done"]
+
+
+def test_a_stopped_run_restored_from_its_record_resumes_on_the_curve_of_one_never_stopped(tmp_path, caplog):
+  """A real run stopped after its checkpoint at step 2 (a finished run cut back to that state: its later steps and
+  rows gone, as a stop leaves it), kept, its DIR lost, restored elsewhere and trained on: the losses and evaluations
+  of the run never stopped, to the bit."""
+  import moc_jax
+  from moc_jax import main as main_lib
+  from tests.train import train_utils as tu
+  data, sweep = tmp_path / "data", tmp_path / "dir" / "arms"
+  workdir = sweep / "dense"
+  config = moc_jax.load_config("configs/vanilla.py:tiny", tu.overrides(data, **{"train.steps": 6}))
+  main_lib.train(config, str(workdir))
+  whole = tu.read_metrics(workdir)
+  shutil.rmtree(workdir / "checkpoints" / "4")
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in whole if r["step"] <= 3))
+  write_manifest(str(sweep), [{"name": "dense", "workdir": str(workdir), "status": "pending", "steps": 6,
+                               "wall_s": 1.0, "attempts": 1, "config": SPEC, "sweep": "arms"}])
+  records.save(str(tmp_path / "dir"), str(tmp_path / "records"), ["arms"], _done)
+  shutil.rmtree(tmp_path / "dir")
+  assert records.restore(str(tmp_path / "records"), str(tmp_path / "again"), ["arms"], SPEC) == 1
+  resumed = tmp_path / "again" / "arms" / "dense"
+  with caplog.at_level(logging.WARNING, logger="moc_jax"):
+    main_lib.train(config, str(resumed))
+  assert f"resumed {resumed} from step 2" in caplog.text  # not trained again from step 0
+  losses = lambda rows: [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "split" not in r]  # noqa: E731
+  evals = lambda rows: [(r["step"], r["ce"], r.get("probe_acc")) for r in rows if r.get("split")]  # noqa: E731
+  again = tu.read_metrics(resumed)
+  assert losses(again) == losses(whole) and len(losses(whole)) == 6
+  assert evals(again) == evals(whole) and len(evals(whole)) >= 3
 
 
 def test_a_record_of_another_config_is_one_error_and_nothing_is_copied(tmp_path):
