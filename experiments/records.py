@@ -55,7 +55,6 @@ def save(out, records, sweeps, complete) -> int:
   for sweep in sweeps:
     source, target = os.path.join(out, sweep), os.path.join(records, sweep)
     kept = {e["name"]: e for e in read_manifest(target)}
-    changed = False
     for e in read_manifest(source):
       workdir, copy = os.path.join(source, e["name"]), os.path.join(target, e["name"])
       done = complete(workdir, e)
@@ -73,13 +72,14 @@ def save(out, records, sweeps, complete) -> int:
       if done:
         shutil.rmtree(os.path.join(copy, CHECKPOINTS), ignore_errors=True)
         added += not _is_complete(kept.get(e["name"]))
-      status = "done" if done else "failed" if e.get("status") == "failed" else "pending"  # not running: not here
+      # a stopped run is recorded as the next part finds it, not running: that part's launcher resumes it
+      status = "done" if done else "failed" if e.get("status") == "failed" else "pending"
       kept[e["name"]] = {**e, "workdir": e["name"], "status": status}
-      changed = True
-    if changed:
-      write_manifest(target, kept.values())
+    if not kept:
+      continue
+    write_manifest(target, kept.values())
     for name in REPORT_FILES:
-      if kept and os.path.isfile(os.path.join(source, name)):
+      if os.path.isfile(os.path.join(source, name)):
         _write(os.path.join(target, name), _read(os.path.join(source, name)))
   return added
 
