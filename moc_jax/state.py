@@ -61,7 +61,8 @@ def build_state(config, mesh) -> StateLayout:
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   scalars = ("step", "nonfinite", "skipped", "rng")
   shardings = {"params": p_shard, "opt_state": o_shard, **{k: replicated for k in scalars}}
-  padding = sharding.ChapterPadding(bank_shape(config).rows, sharding.padded_chapters(config, dict(mesh.shape)))
+  bank = bank_shape(config)
+  padding = sharding.ChapterPadding(bank.rows, sharding.padded_chapters(config, bank, dict(mesh.shape)))
 
   def init(seed):
     params = nnx.state(Transformer(config, nnx.Rngs(params=seed)), nnx.Param)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moc_jax.config import bank_ids, layer_plan, memory_layers
+from moc_jax.config import bank_ids, bank_shape, layer_plan, memory_layers
 from moc_jax.model.ffn_memory import ColumnBank, FFNMemory
 from moc_jax.model.hml import HMLBlock
 from moc_jax.model.layers import MLP, Embed, RMSNorm, SelfAttention, cpu_layouts
@@ -184,7 +184,7 @@ class Transformer(nnx.Module):
     self.plan = layer_plan(cfg)
     self.bank_ids = bank_ids(cfg)
     self.embed = Embed(cfg, rngs)
-    self.bank = (BANKS[cfg.memory.kind](cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg))
+    self.bank = (BANKS[cfg.memory.kind](cfg, max(self.bank_ids) + 1, rngs, padded_chapters(cfg, bank_shape(cfg)))
                  if memory_layers(cfg) else None)
     p = self.plan
     if p.scanned:

@@ -13,14 +13,13 @@ import math
 
 import jax
 
-from moc_jax.config.plan import bank_shape
 from moc_jax.sharding.mesh import shards
 
 
-def padded_chapters(config, sizes: dict | None = None) -> int:
-  """Rows of the bank as stored on the devices: its chapters (or a value table's slots, `config.bank_shape`)
-  rounded up to the shard count of their logical axis."""
-  bank = bank_shape(config)
+def padded_chapters(config, bank, sizes: dict | None = None) -> int:
+  """Rows of the bank as stored on the devices: its chapters (or a value table's slots; `bank` is
+  `config.bank_shape(config)`, which the caller passes so that the layout stays below the config's plan) rounded up
+  to the shard count of their logical axis under `config`'s rules and mesh."""
   n = shards(config, bank.row_axis, sizes)
   return -(-bank.rows // n) * n
 

@@ -11,6 +11,7 @@ import pytest
 
 import moc_jax
 from moc_jax import sharding
+from moc_jax.config import bank_shape
 from moc_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +53,7 @@ def test_chapters_are_padded_to_the_shard_count_and_counts_do_not_show_it():
   one = moc_jax.count_params(moc_jax.load_config("configs/moc.py:tiny"))
   for memory, padded in ((8, 72), (4, 68), (1, 65)):
     cfg = fake8(**{"mesh.data": 8 // memory, "mesh.memory": memory})
-    assert sharding.padded_chapters(cfg) == padded
+    assert sharding.padded_chapters(cfg, bank_shape(cfg)) == padded
     bank = moc_jax.abstract_model(cfg).bank.memory
     assert bank.shape == (1, padded, 16, 64)
     assert moc_jax.count_params(cfg) == one

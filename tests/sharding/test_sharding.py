@@ -15,7 +15,7 @@ from flax import nnx
 
 import moc_jax
 from moc_jax import optim, sharding
-from moc_jax.config import base_config
+from moc_jax.config import bank_shape, base_config
 from moc_jax.errors import ConfigError
 from tests.asserts import assert_same_bytes
 
@@ -133,7 +133,8 @@ def test_shards_follows_custom_rules():
     (65, (("batch", "memory"), ("chapters", None)), sizes(memory=8), 65),   # chapters replicated
 ])
 def test_padded_chapters_rounds_up_to_the_chapter_shards(chapters, rules, mesh_sizes, expected):
-  assert sharding.padded_chapters(config(rules=rules, chapters=chapters), mesh_sizes) == expected
+  c = config(rules=rules, chapters=chapters)
+  assert sharding.padded_chapters(c, bank_shape(c), mesh_sizes) == expected
 
 
 # --- validate_mesh -------------------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def test_validate_mesh_rejects_value_slots_split_over_an_axis_batch_is_not():
 def test_padded_rows_of_a_value_table_round_its_slots_up(kind, sub_keys, mesh_sizes, expected):
   c = config()
   c.memory.update(kind=kind, pkm_sub_keys=sub_keys)
-  assert sharding.padded_chapters(c, mesh_sizes) == expected
+  assert sharding.padded_chapters(c, bank_shape(c), mesh_sizes) == expected
 
 
 @pytest.mark.parametrize("rules, mesh", [
