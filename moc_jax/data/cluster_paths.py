@@ -1,9 +1,9 @@
 """Each document's path down a fixed cluster tree of its corpus (`config.data.cluster`): what `memory.routing=cluster`
 reads its chapters by (hierarchical memories, Pouransari et al.).
 
-The tree (data/cluster_tree.py) and the idf of its embedding are fitted once on the training split and cached in
-`<data.data_dir>/cluster_trees/`, the file named by the dataset and the tree's parameters, so every process and every
-later run traverses the same tree. A document's text is its token ids decoded, so every source (text, token records,
+The tree (data/cluster_tree.py) and the idf of its embedding are fitted once on the training split (at most
+FIT_DOCUMENTS of its documents), by one process at a time, and cached in `<data.data_dir>/cluster_trees/`, the file
+named by the dataset and the tree's parameters, so every process and every later run traverses the same tree. A document's text is its token ids decoded, so every source (text, token records,
 chat) and every split goes through the one traversal, and a probe's prompt is traversed as text.
 
 Paths are per token (`token_paths`): `document` gives every token its whole document's path (training: the path then
@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from moc_jax.config.schema import GENERIC_PATH
+from moc_jax.data.cache_lock import exclusive
 from moc_jax.data.cluster_tree import Embedder, Tree, build_tree
 from moc_jax.data.sources import data_dir, open_source, read_manifest
 from moc_jax.errors import DataError
@@ -32,6 +33,7 @@ log = logging.getLogger("moc_jax")
 
 PATH_MODES = ("document", "prefix", "generic")
 _FORMAT = 1  # bump when the cached file's contents change meaning
+FIT_DOCUMENTS = 1 << 18  # the most training documents a tree is fitted on (fit_documents); a corpus up to it: all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +147,24 @@ def cluster_index(config_data, tokenizer) -> ClusterIndex | None:
   if c.tree:
     return _given_tree(c)
   path = index_path(config_data, tokenizer)
-  if os.path.isfile(path):
-    return ClusterIndex.load(path)
-  records, to_example = open_source(config_data, "train", tokenizer)
-  texts = [tokenizer.decode(example[0]) for example in map(to_example, (records[i] for i in range(len(records))))
-           if example is not None]
-  index = fit_index(texts, c.k, c.levels, c.seed)
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  index.save(path)
-  log.warning("moc_jax: cluster tree (k=%d, %d levels) fitted on %d training documents -> %s", c.k, c.levels,
-              len(texts), path)
+  with exclusive(f"{path}.lock"):
+    if os.path.isfile(path):
+      return ClusterIndex.load(path)
+    records, to_example = open_source(config_data, "train", tokenizer)
+    examples = (to_example(records[i]) for i in fit_documents(len(records), c.seed))
+    texts = [tokenizer.decode(example[0]) for example in examples if example is not None]
+    index = fit_index(texts, c.k, c.levels, c.seed)
+    index.save(path)
+  log.warning("moc_jax: cluster tree (k=%d, %d levels) fitted on %d of %d training documents -> %s", c.k, c.levels,
+              len(texts), len(records), path)
   return index
+
+
+def fit_documents(n: int, seed: int) -> np.ndarray:
+  """Which of the `n` training documents the tree is fitted on, in order: all of them up to FIT_DOCUMENTS, else a
+  seeded sample of that many. Its EM reads cluster_tree.EM_SAMPLE documents of a node at each step anyway, so more
+  documents would not make a better tree, only cost: the embeddings of 4.9M documents (float64 [n, 256]) take 10 GB.
+  A corpus of at most FIT_DOCUMENTS is fitted on all of it, as before the cap: its cached trees stay valid."""
+  if n <= FIT_DOCUMENTS:
+    return np.arange(n)
+  return np.sort(np.random.default_rng([seed, 0x66697421]).choice(n, FIT_DOCUMENTS, replace=False))

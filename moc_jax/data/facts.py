@@ -31,7 +31,6 @@ import bisect
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import itertools
 import logging
 import math
@@ -42,6 +41,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from moc_jax.data.cache_lock import exclusive
 from moc_jax.errors import DataError
 
 _SYLLABLES = ("ka", "lo", "ven", "dra", "mi", "tor", "sel", "bra", "ni", "quo", "ral", "fen", "zu", "mar", "tis",
@@ -416,10 +416,7 @@ def facts_builder(facts, data_dir: str) -> MocFacts:
   with _quiet_tfds():
     builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
-      lock_dir = os.path.join(data_dir, "moc_facts")
-      os.makedirs(lock_dir, exist_ok=True)
-      with open(os.path.join(lock_dir, f".{cfg.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+      with exclusive(os.path.join(data_dir, "moc_facts", f".{cfg.name}.lock")):
         builder = MocFacts(config=cfg, data_dir=data_dir, file_format="array_record")
         if not builder.is_prepared():
           with _sorted_in_memory():

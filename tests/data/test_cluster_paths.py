@@ -3,14 +3,18 @@ document's text through each layout, -1 on padding; `prefix` paths follow the te
 cached by its parameters; the iterator resumes exactly."""
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
 
 from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.data import make_eval_batches, make_train_iterator
+from moc_jax.data import cluster_paths
+from moc_jax.data.cache_lock import exclusive
 from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, generic_paths, index_path
 from moc_jax.data.cluster_tree import Embedder
+from moc_jax.data.sources import open_source
 from moc_jax.errors import DataError
 from tests.data.test_pipeline import BYTE
 from tests.data.test_pipeline import _config as pipeline_config
@@ -187,3 +191,48 @@ def test_a_word_the_corpus_never_had_weighs_nothing():
 def test_invalid_cluster_fields_name_the_field(data_dir, field, value):
   with pytest.raises(DataError, match=f"config.data.cluster.{field}:"):
     make_train_iterator(_config(data_dir, cluster={field: value}))
+
+
+def test_a_large_corpus_is_fitted_on_a_seeded_sample_of_its_documents():
+  """Up to FIT_DOCUMENTS every document in order; past it that many distinct ones, sorted, the same for a seed and
+  not for another."""
+  cap = cluster_paths.FIT_DOCUMENTS
+  np.testing.assert_array_equal(cluster_paths.fit_documents(1000, 0), np.arange(1000))
+  np.testing.assert_array_equal(cluster_paths.fit_documents(cap, 0), np.arange(cap))
+  a, b, c = (cluster_paths.fit_documents(3 * cap, seed) for seed in (0, 0, 1))
+  assert len(a) == len(np.unique(a)) == cap and np.all(np.diff(a) > 0) and 0 <= a[0] and a[-1] < 3 * cap
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+
+
+def test_the_tree_of_a_corpus_past_the_cap_is_the_one_fitted_on_its_sample(data_dir, monkeypatch):
+  """With the cap at 64 documents, the cached tree is the one fit_index gives on those 64 documents' texts, read
+  independently of cluster_index."""
+  monkeypatch.setattr(cluster_paths, "FIT_DOCUMENTS", 64)
+  c = _config(data_dir, cluster={"k": 4, "levels": 2, "seed": 101})  # a tree no other test has cached
+  records, to_example = open_source(c, "train", BYTE)
+  assert len(records) > 64
+  chosen = cluster_paths.fit_documents(len(records), c.cluster.seed)
+  expected = cluster_paths.fit_index([BYTE.decode(to_example(records[int(i)])[0]) for i in chosen], 4, 2,
+                                     c.cluster.seed)
+  index = cluster_index(c, BYTE)
+  assert index.embedder == expected.embedder
+  for got, want in zip(index.tree.centroids, expected.tree.centroids):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_process_waits_for_the_tree_another_is_building_and_reads_it(data_dir):
+  """While another process holds the tree's lock, cluster_index waits; once the tree is there and the lock is
+  released, it reads that tree rather than fitting one of its own."""
+  c = _config(data_dir, cluster={"k": 4, "levels": 2, "seed": 102})  # a tree no other test has cached
+  path = index_path(c, BYTE)
+  theirs = cluster_paths.fit_index([f"entity {i} works as a baker in town {i % 7}" for i in range(50)], 4, 2, 0)
+  got = {}
+  with exclusive(f"{path}.lock"):
+    waiting = threading.Thread(target=lambda: got.update(index=cluster_index(c, BYTE)))
+    waiting.start()
+    waiting.join(timeout=2.0)
+    assert waiting.is_alive() and not os.path.exists(path)  # it waits, and has not fitted a tree
+    theirs.save(path)
+  waiting.join()
+  assert got["index"].embedder == theirs.embedder
