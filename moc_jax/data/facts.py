@@ -256,9 +256,23 @@ def _biographies(rng, entities, values, picks):
   docs = []
   for e in picks:
     order = rng.sample(range(len(_ATTRS)), len(_ATTRS))
-    clauses = "; ".join(f"{BIOGRAPHY_KEYS[_ATTRS[a]]} {values[e][a]}" for a in order)
-    docs.append((e, f"{entities[e]}: {clauses}."))
+    docs.append((e, biography(entities[e], [(_ATTRS[a], values[e][a]) for a in order])))
   return docs
+
+
+def biography(name: str, facts) -> str:
+  """The biography line of entity `name` holding `facts` [(attribute, value)] in the order given."""
+  return f"{name}: " + "; ".join(f"{BIOGRAPHY_KEYS[attr]} {value}" for attr, value in facts) + "."
+
+
+def entity_biographies(probes) -> dict[str, str]:
+  """{entity: a biography of it} from a biography corpus's probes, one per attribute of each entity. Every training
+  document about an entity holds the same words as this one (its attributes in another order), so whatever reads a
+  text as a bag of words (a cluster tree's embedding) reads each of them as it reads this."""
+  facts: dict[str, dict[str, str]] = collections.defaultdict(dict)
+  for p in probes:
+    facts[p["entity"]][p["attribute"]] = p["answer"]
+  return {name: biography(name, sorted(of.items())) for name, of in facts.items()}
 
 
 def _rngs(cfg):

@@ -14,6 +14,7 @@ from flax import nnx
 
 from moc_jax.config import reads_cluster_paths
 from moc_jax.data.cluster_paths import cluster_index
+from moc_jax.data.facts import entity_biographies
 from moc_jax.eval.scoring import Scorer, chunk_rows, continuation, everywhere, in_chunks, make_rows, pad_rows, stderr
 
 HEAD_DOCS = 10  # a fact is "head" if its entity has at least this many training documents
@@ -35,6 +36,17 @@ def with_prompt_paths(config, probes, tokenizer):
     return probes
   paths = cluster_index(config.data, tokenizer)([p["prompt"] for p in probes])
   return [{**p, "cluster_path": path} for p, path in zip(probes, paths)]
+
+
+def with_entity_paths(config, probes, all_probes, tokenizer):
+  """`probes` each with its entity's path instead of its prompt's: the path every training document about the entity
+  took (a biography corpus's documents about one entity hold the same words: data.facts.entity_biographies). Recall
+  on these is what the memory holds when the tree sends a question where it sent the documents on its subject, so
+  against the prompts' recall it tells a router's failure from a store's."""
+  texts = entity_biographies(all_probes)
+  names = sorted({p["entity"] for p in probes})
+  paths = dict(zip(names, cluster_index(config.data, tokenizer)([texts[name] for name in names])))
+  return [{**p, "cluster_path": paths[p["entity"]]} for p in probes]
 
 
 def _row_paths(paths, width):

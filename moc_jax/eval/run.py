@@ -6,9 +6,10 @@ A run whose routing is not causal (`sequence`, `segment`: a decision pools token
 is also scored with the same weights routed causally (`CAUSAL_ROUTING`), reported as `causally_routed` beside its
 own CE: the difference is what the routing input saw of the tokens being predicted. A causal run's CE has no
 such leak, so it gets no second figure. A `cluster` run reads by each document's whole path; its second figure
-(`prefix_paths`) reads by each token's path from its document up to it, and its probes by their prompt's path; one
-trained with the generic-memory control (data.cluster.generic) is also scored with every document and probe on the
-generic chapters (`generic_paths`), and `--ablate_chapters=level:L` zeroes what the tree's level L owns.
+(`prefix_paths`) reads by each token's path from its document up to it, and its probes by their prompt's path (on a
+biography corpus also by their entity's: `entity_paths`, a router's failure told from a store's); one trained with
+the generic-memory control (data.cluster.generic) is also scored with every document and probe on the generic
+chapters (`generic_paths`), and `--ablate_chapters=level:L` zeroes what the tree's level L owns.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
 from moc_jax.eval.ce import CEEvaluator, split_batches
-from moc_jax.eval.probes import DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes, with_prompt_paths
+from moc_jax.eval.probes import (DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes, with_entity_paths,
+                                 with_prompt_paths)
 from moc_jax.eval.scoring import Scorer, stderr
 from moc_jax.model import quantize
 from moc_jax.model.build import abstract_model
@@ -118,6 +120,9 @@ def evaluate(config, workdir: str, options: EvalOptions | None = None) -> dict:
       probes = with_prompt_paths(config, select_probes(all_probes, config.train.num_probes if o.num_probes is None
                                                        else (o.num_probes or len(all_probes)), config.seed), tokenizer)
       report["fact_recall"] = _fact_recall(ProbeEvaluator(graphdef, probes, tokenizer), params, o.bucket_edges)
+    if probes and reads_cluster_paths(config) and config.data.facts.style == "biography":
+      report["entity_paths"] = _entity_paths(config, graphdef, probes, all_probes, tokenizer, params, report,
+                                             o.bucket_edges)
     if reads_cluster_paths(config) and config.data.cluster.generic:
       report["generic_paths"] = _generic_paths(config, o.split, split_eval, params, report, graphdef, probes,
                                                tokenizer, o.bucket_edges)
@@ -192,6 +197,17 @@ def _generic_paths(config, split, split_eval, params, report, graphdef, probes, 
   return out
 
 
+def _entity_paths(config, graphdef, probes, all_probes, tokenizer, params, report, edges) -> dict:
+  """Recall with every probe reading its entity's path (the one its training documents took) instead of its
+  prompt's, and `agreement`: at each level of the tree, the share of probes whose prompt reaches their entity's node.
+  Low agreement with high recall here: the store holds the facts and the tree does not send questions to them."""
+  entity = with_entity_paths(config, probes, all_probes, tokenizer)
+  agreement = np.mean([np.asarray(p["cluster_path"]) == q["cluster_path"] for p, q in zip(probes, entity)], axis=0)
+  recall = _fact_recall(ProbeEvaluator(graphdef, entity, tokenizer), params, edges)
+  return {"agreement": agreement.tolist(), "fact_recall": recall,
+          "recall_delta": recall["probe_acc"] - report["fact_recall"]["probe_acc"]}
+
+
 def _fact_recall(evaluator, params, edges) -> dict:
   """The training log's recall metrics, with a standard error and the breakdown by entity frequency."""
   correct, exact = evaluator.per_probe(params)
@@ -261,6 +277,13 @@ def markdown_table(report: dict) -> str:
   if prefix:
     lines += [f"| {report['split']} CE, each token's cluster path from its prefix | {prefix['ce']:.4f} |",
               f"| future-token leak of the whole document's path (prefix − own) | {prefix['ce_delta']:+.4f} |"]
+  entity = report.get("entity_paths")
+  if entity:
+    e = entity["fact_recall"]
+    lines += [f"| prompts on their entity's path, by level of the tree | "
+              f"{' / '.join(f'{a:.3f}' for a in entity['agreement'])} |",
+              f"| fact recall, every probe on its entity's path | {_pm(e['probe_acc'], e['probe_acc_stderr'])} "
+              f"({entity['recall_delta']:+.3f}) |"]
   generic = report.get("generic_paths")
   if generic:
     lines += [f"| {report['split']} CE, every document on the generic chapters | {generic['ce']:.4f} |",

@@ -2,6 +2,7 @@
 import collections
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from moc_jax.config import data_config
 from moc_jax.data import load_probes
 from moc_jax.errors import DataError
-from moc_jax.data.facts import ATTRIBUTES, BIOGRAPHY_KEYS, MocFactsConfig, fact_bits, facts_builder, generate
+from moc_jax.data.facts import (ATTRIBUTES, BIOGRAPHY_KEYS, MocFactsConfig, entity_biographies, fact_bits, facts_builder,
+                                generate)
 
 
 def tiny_facts(**overrides):
@@ -162,6 +164,27 @@ def test_biographies_hold_every_fact_in_one_row():
   openings = {d["text"].split("; ")[0] for d in corpus["train"]}
   assert all(f"{p['prompt']} {p['answer']}" in openings for p in corpus["probes"])
   assert len(corpus["probes"]) == 200 * len(ATTRIBUTES)
+
+
+def test_the_biography_corpus_is_what_it_always_was():
+  import hashlib
+  import json
+  corpus = generate(MocFactsConfig.for_sizes(biography(num_entities=50, num_docs=2000, num_val_docs=50)))
+  assert hashlib.sha256(json.dumps(corpus, sort_keys=True).encode()).hexdigest()[:16] == "bea3b4c085bc04b6"
+
+
+def test_an_entitys_biography_from_its_probes_holds_the_words_of_each_of_its_documents():
+  """The same words, as often, as every training and validation document about the entity: what a bag-of-words
+  reader (the cluster tree) sees of them all."""
+  corpus = generate(MocFactsConfig.for_sizes(biography(num_entities=30, num_docs=600, num_val_docs=30)))
+  texts = entity_biographies(corpus["probes"])
+  assert len(texts) == 30
+
+  def words(text):
+    return collections.Counter(re.findall(r"\w+", text.lower()))
+
+  for doc in corpus["train"] + corpus["validation"]:
+    assert words(doc["text"]) == words(texts[doc["entity"]])
 
 
 @pytest.mark.parametrize("field, value", [("style", "essay"), ("zipf_a", -1.0), ("probes_per_fact", 2)])

@@ -7,8 +7,13 @@ import pytest
 
 import moc_jax
 from moc_jax import sharding
+from moc_jax.data import load_probes
+from moc_jax.data.cluster_paths import cluster_index
+from moc_jax.data.facts import MocFactsConfig, generate
+from moc_jax.data.tokenizers import get_tokenizer
 from moc_jax.errors import ConfigError
 from moc_jax.eval.ce import CEEvaluator, split_batches
+from moc_jax.eval.probes import ProbeEvaluator, select_probes
 from moc_jax.eval.routing import parse_ablation, zero_chapters
 from moc_jax.eval.run import EvalOptions, evaluate, markdown_table
 from tests.eval.eval_utils import save_run
@@ -68,3 +73,42 @@ def test_level_knock_outs_name_the_levels_chapters(run):
   routed = moc_jax.load_config("configs/moc.py:tiny")
   with pytest.raises(ConfigError, match="levels are a cluster tree's"):
     parse_ablation("level:0", routed)
+
+
+@pytest.fixture(scope="module")
+def biography_run(tmp_path_factory):
+  """A saved cluster run (no generic control) on a biography corpus, where every document about an entity holds
+  the same words, so all of them take one path down the tree."""
+  data_dir, workdir = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("run")
+  config = moc_jax.load_config("configs/moc.py:tiny", tu.overrides(
+      data_dir, **{**CLUSTER, "data.cluster.generic": 0.0, "memory.num_chapters": 25, "memory.num_tokens": 400,
+                   "data.facts.style": "biography", "data.facts.zipf_a": 0.0, "data.facts.num_docs": 400}))
+  layout, params = save_run(config, workdir)
+  return config, str(workdir), layout, params
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: an evaluation and a second pass of its probes, compiled
+def test_entity_paths_read_each_probe_by_the_path_of_its_entitys_documents(biography_run, tmp_path):
+  """Agreement and recall against paths taken independently: each probe's prompt traversed alone, and its entity's
+  path as the tree sends a training document about that entity (read from the corpus, not rebuilt from probes)."""
+  config, workdir, layout, params = biography_run
+  report = evaluate(config, workdir, EvalOptions(analyze_routing=False, num_probes=0, out=str(tmp_path / "eval.json")))
+  entity = report["entity_paths"]
+  tokenizer = get_tokenizer(config.data.tokenizer)
+  index = cluster_index(config.data, tokenizer)
+  document = {}
+  for doc in generate(MocFactsConfig.for_sizes(config.data.facts))["train"]:
+    document.setdefault(doc["entity"], doc["text"])
+  every = load_probes(config.data)
+  probes = select_probes(every, len(every), config.seed)  # num_probes=0: every probe of an entity seen
+  prompt_paths = index([p["prompt"] for p in probes])
+  entity_paths = index([document[p["entity"]] for p in probes])
+  assert entity["agreement"] == pytest.approx((prompt_paths == entity_paths).mean(0).tolist(), abs=1e-12)
+  assert entity["agreement"][-1] < 1  # some prompts leave their entity's path: the two recalls can differ
+  evaluator = ProbeEvaluator(layout.graphdef, [{**p, "cluster_path": q} for p, q in zip(probes, entity_paths)],
+                             tokenizer)
+  correct, exact = evaluator.per_probe(params)
+  assert entity["fact_recall"]["probe_acc"] == pytest.approx(float(np.mean(correct)), abs=1e-12)
+  assert entity["recall_delta"] == pytest.approx(entity["fact_recall"]["probe_acc"]
+                                                 - report["fact_recall"]["probe_acc"], abs=1e-12)
+  assert "every probe on its entity's path" in markdown_table(report)
