@@ -26,7 +26,7 @@ from moc_jax import data as data_lib
 from moc_jax.data.tokenizers import model_tokenizer
 from moc_jax import sharding
 from moc_jax.config import memory_layers, reads_chapters, reads_cluster_paths, routing_is_causal
-from moc_jax.config.schema import GENERIC_PATH
+from moc_jax.config.schema import CHAPTER_KINDS, GENERIC_PATH
 from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
@@ -305,7 +305,7 @@ def markdown_table(report: dict) -> str:
               f"{_pm(r['acc_norm'], r['acc_norm_stderr'])} | {r['chance']:.3f} |"
               for name, r in report["mcq"].items()]
   routing = report.get("routing")
-  if routing and routing.get("kind", "chapters") != "chapters":
+  if routing and routing.get("kind", "chapters") not in CHAPTER_KINDS:
     lines += ["", f"memory ({routing['kind']}: value slots read by the product keys, every head and real position):",
               "", "| memory layer | slots ever read | max / mean load | usage entropy / max (nats) | effective slots |",
               "|---:|---:|---:|---:|---:|"]
@@ -314,16 +314,17 @@ def markdown_table(report: dict) -> str:
               for r in routing["layers"]]
   elif routing:
     stab = {s["layer"]: s for s in routing.get("stability", [])}
-    lines += ["", f"routing ({routing['routing']}; shared chapters not counted):", "",
-              "| memory layer | chapters ever selected | max / mean load | usage entropy / max (nats) | "
-              "effective chapters | shared-chapter mass | routed softmax entropy | Jaccard paraphrase | "
+    unit = "columns" if routing.get("kind") == "ffn" else "chapters"  # an ffn memory's rows (eval.routing.Usage)
+    lines += ["", f"routing ({routing['routing']}; shared {unit} not counted):", "",
+              f"| memory layer | {unit} ever selected | max / mean load | usage entropy / max (nats) | "
+              f"effective {unit} | shared-{unit[:-1]} mass | routed softmax entropy | Jaccard paraphrase | "
               "Jaccard other entity |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in routing["layers"]:
       s = stab.get(r["layer"], {})
       jac = " | ".join(f"{s.get(k, float('nan')):.3f}" for k in ("paraphrase_jaccard", "other_entity_jaccard"))
-      lines.append(f"| {r['layer']} | {r['chapters_selected']} ({r['chapters_selected_frac']:.0%}) | "
+      lines.append(f"| {r['layer']} | {r[f'{unit}_selected']} ({r[f'{unit}_selected_frac']:.0%}) | "
                    f"{r['max_load']:.2f} | {r['usage_entropy']:.2f} / {r['usage_entropy_max']:.2f} | "
-                   f"{r['effective_chapters']:.1f} | {r.get('shared_mass', float('nan')):.3f} | "
+                   f"{r[f'effective_{unit}']:.1f} | {r.get('shared_mass', float('nan')):.3f} | "
                    f"{r.get('routed_entropy', float('nan')):.2f} | {jac} |")
     if any("pool_share" in r for r in routing["layers"]):
       lines += ["", "attention pooling, share of a row's positions a decision weighs (1 = the plain mean): "

@@ -14,6 +14,8 @@ from moc_jax.data.tokenizers import get_tokenizer
 from moc_jax.errors import ConfigError
 from moc_jax.eval.ce import CEEvaluator, split_batches
 from moc_jax.eval.probes import ProbeEvaluator, select_probes
+from moc_jax.config import memory_layers
+from moc_jax.eval import routing as ra
 from moc_jax.eval.routing import parse_ablation, zero_chapters
 from moc_jax.eval.run import EvalOptions, evaluate, markdown_table
 from tests.eval.eval_utils import save_run
@@ -112,3 +114,20 @@ def test_entity_paths_read_each_probe_by_the_path_of_its_entitys_documents(biogr
   assert entity["recall_delta"] == pytest.approx(entity["fact_recall"]["probe_acc"]
                                                  - report["fact_recall"]["probe_acc"], abs=1e-12)
   assert "every probe on its entity's path" in markdown_table(report)
+
+
+def test_the_summary_of_an_ffn_memory_counts_its_columns():
+  """An ffn memory's rows are columns (eval.routing.Usage): the summary's routing table reads their counts. By hand:
+  columns 2 and 5 of the 24 routable read 6 and 2 times: 2 selected (8%), entropy of (3/4, 1/4), e^0.562 = 1.75."""
+  config = moc_jax.load_config("configs/moc.py:tiny", {
+      "memory.kind": "ffn", "memory.routing": "cluster", "data.cluster.k": 4, "data.cluster.levels": 2,
+      "memory.cluster_chapters": (2, 1), "memory.num_chapters": 25})
+  usage = ra.Usage(config)
+  usage.counts[:, usage.num_shared + 2], usage.counts[:, usage.num_shared + 5] = 6, 2
+  report = {"workdir": "w", "step": 1, "config": "c", "devices": 1, "split": "validation", "ce": 1.0, "ppl": 2.7,
+            "tokens": 10, "files": {}, "routing": {"kind": "ffn", "routing": "cluster", "load_balance": None,
+                                                   "num_shared": usage.num_shared, "layers": usage.stats()}}
+  table = markdown_table(report)
+  assert "| memory layer | columns ever selected |" in table
+  for layer in memory_layers(config):
+    assert f"| {layer} | 2 (8%) | " in table and " | 1.8 | " in table
