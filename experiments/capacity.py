@@ -252,8 +252,9 @@ def _plan(spec, sweep, size):
 def read_runs(out, sweep, size) -> list[dict] | None:
   """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
   (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated),
-  `entity_recall` and `path_agreement` (a cluster arm's recall with each probe on its entity's path, and the share
-  of prompts whose own path is that one at the tree's last level: moc_jax.eval's entity_paths), `curve`
+  `entity_recall`, `path_agreement` and `path_alone` (a cluster arm's recall with each probe on its entity's path, the
+  share of prompts whose own path is that one at the tree's last level, and the recall of the path by itself:
+  moc_jax.eval's entity_paths), `curve`
   [(training tokens, recall, exact match)], `cooled` {the step a cool-down ended at: {recall, probes, exact_match,
   val_ce, tokens}}, `fact_bits` (of its corpus), `parameters` (trained_parameters) and `eval_s`; None when DIR has no
   such sweep."""
@@ -272,7 +273,7 @@ def read_runs(out, sweep, size) -> list[dict] | None:
       final, metrics = final_eval(row["workdir"], config.train.steps), read_metrics(row["workdir"])
       entity = report.eval_report(row["workdir"]).get("entity_paths") or {}
       run.update(entity_recall=entity.get("fact_recall", {}).get("probe_acc"),
-                 path_agreement=entity["agreement"][-1] if entity else None)
+                 path_agreement=entity["agreement"][-1] if entity else None, path_alone=entity.get("path_alone"))
       run.update(lr=config.train.base_lr, probes=final.get("num_probes", 0), recall=row["fact_recall"],
                  knockout=row.get("recall_without_bank"), memory=is_moc(config),
                  fact_bits=fact_bits(config.data.facts)["total"], parameters=trained_parameters(config),
@@ -452,16 +453,18 @@ def _num(value, digits=3) -> str:
 
 def entity_cell(r) -> str:
   """A cluster arm's recall with every probe on its entity's path, and (in brackets) the share of prompts already
-  there: recall well above its own with few prompts there says the store holds facts that the tree does not reach."""
+  there and what the path alone recalls: recall well above its own and above the path's with few prompts there says
+  the store holds facts that the tree does not reach."""
   if r.get("entity_recall") is None:
     return ""
-  return f"{r['entity_recall']:.3f} ({r['path_agreement']:.2f})"
+  return f"{r['entity_recall']:.3f} ({r['path_agreement']:.2f}; path alone {r['path_alone']:.3f})"
 
 
 def runs_table(runs) -> list[str]:
   """A row per run (and per cool-down of it); `facts held` is held_kbit of its corpus's, and per trained parameter."""
   lines = [("| run | LR | steps | tokens | FLOPs/token | recall ± SE | exact match | facts held, kbit (per parameter) "
-            "| recall, memory knocked out | recall, probes on their entity's path (prompts there) | val CE | wall s |"),
+            "| recall, memory knocked out | recall, probes on their entity's path (prompts there; the path alone) | val CE "
+            "| wall s |"),
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
   def held(r, recall):
@@ -498,7 +501,9 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
             "on the final evaluation's probes, ± its binomial standard error; exact match: greedy; knocked out: "
             "`python -m moc_jax.eval --ablate_chapters=routed` (every routable chapter or value slot zeroed); a "
             "cluster arm's probes on their entity's path: each reads the chapters its entity's training documents "
-            "read instead of its prompt's (in brackets the share of prompts whose path that is); facts held: the corpus's bits of facts times the share of probes known above chance, and per parameter "
+            "read instead of its prompt's (in brackets the share of prompts whose path that is, and the recall of "
+            "the path alone: the value most other entities on it hold, as the path is fitted on whole biographies); "
+            "facts held: the corpus's bits of facts times the share of probes known above chance, and per parameter "
             "without the embedding (a transformer holds about 1 to 2)."), ""]
   titles = {"preflight": "Stage `preflight`: can the narrow backbone learn these facts?",
             "gate_lr": "Stage `gate`, the learning-rate search (a quarter of the steps)",

@@ -5,6 +5,7 @@ the mean log-likelihood of the continuation tokens (length-normalised); the argm
 """
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -38,15 +39,40 @@ def with_prompt_paths(config, probes, tokenizer):
   return [{**p, "cluster_path": path} for p, path in zip(probes, paths)]
 
 
-def with_entity_paths(config, probes, all_probes, tokenizer):
-  """`probes` each with its entity's path instead of its prompt's: the path every training document about the entity
-  took (a biography corpus's documents about one entity hold the same words: data.facts.entity_biographies). Recall
-  on these is what the memory holds when the tree sends a question where it sent the documents on its subject, so
-  against the prompts' recall it tells a router's failure from a store's."""
+def entity_paths(config, all_probes, tokenizer) -> dict[str, tuple[int, ...]]:
+  """{entity: its path}: the path every training document about the entity took (a biography corpus's documents
+  about one entity hold the same words: data.facts.entity_biographies)."""
   texts = entity_biographies(all_probes)
-  names = sorted({p["entity"] for p in probes})
-  paths = dict(zip(names, cluster_index(config.data, tokenizer)([texts[name] for name in names])))
-  return [{**p, "cluster_path": paths[p["entity"]]} for p in probes]
+  names = sorted(texts)
+  return dict(zip(names, map(tuple, cluster_index(config.data, tokenizer)([texts[name] for name in names]).tolist())))
+
+
+def with_entity_paths(probes, paths):
+  """`probes` each with its entity's path (`entity_paths`) instead of its prompt's. Recall on these is what the
+  memory gives when the tree sends a question where it sent the documents on its subject, so against the prompts'
+  recall it tells a router's failure from a store's; but see `path_alone`."""
+  return [{**p, "cluster_path": np.array(paths[p["entity"]], np.int32)} for p in probes]
+
+
+def path_alone(probes, all_probes, paths) -> float:
+  """The recall that knowing a probe's entity path gives without knowing the entity: each probe answered by the
+  candidate most of the OTHER entities on its path hold for its attribute (a tie shared: 1/n of a probe for each
+  of n tied candidates). An entity's path is fitted on its whole biography, answer included, so the path itself
+  says something of the answer; recall on entity paths counts facts the memory holds only above this."""
+  values: dict[str, dict[str, str]] = collections.defaultdict(dict)
+  for p in all_probes:
+    values[p["entity"]][p["attribute"]] = p["answer"]
+  on_path = collections.defaultdict(list)
+  for name, path in paths.items():
+    on_path[path].append(name)
+  credit = 0.0
+  for p in probes:
+    held = collections.Counter(values[other][p["attribute"]] for other in on_path[paths[p["entity"]]]
+                               if other != p["entity"])
+    counts = [held[c] for c in p["candidates"]]
+    best = [c for c, n in zip(p["candidates"], counts) if n == max(counts)]
+    credit += (p["answer"] in best) / len(best)
+  return credit / len(probes)
 
 
 def _row_paths(paths, width):

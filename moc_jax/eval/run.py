@@ -31,8 +31,8 @@ from moc_jax.errors import ConfigError, DataError
 from moc_jax.eval import mcq
 from moc_jax.eval import routing as ra
 from moc_jax.eval.ce import CEEvaluator, split_batches
-from moc_jax.eval.probes import (DOC_BUCKET_EDGES, ProbeEvaluator, recall_by_bucket, select_probes, with_entity_paths,
-                                 with_prompt_paths)
+from moc_jax.eval.probes import (DOC_BUCKET_EDGES, ProbeEvaluator, entity_paths, path_alone, recall_by_bucket,
+                                 select_probes, with_entity_paths, with_prompt_paths)
 from moc_jax.eval.scoring import Scorer, stderr
 from moc_jax.model import quantize
 from moc_jax.model.build import abstract_model
@@ -200,11 +200,14 @@ def _generic_paths(config, split, split_eval, params, report, graphdef, probes, 
 def _entity_paths(config, graphdef, probes, all_probes, tokenizer, params, report, edges) -> dict:
   """Recall with every probe reading its entity's path (the one its training documents took) instead of its
   prompt's, and `agreement`: at each level of the tree, the share of probes whose prompt reaches their entity's node.
-  Low agreement with high recall here: the store holds the facts and the tree does not send questions to them."""
-  entity = with_entity_paths(config, probes, all_probes, tokenizer)
+  Low agreement with high recall here: the store holds facts and the tree does not send questions to them; but the
+  path is fitted on the entity's whole biography, so it carries part of the answer: `path_alone` is the recall the
+  path gives by itself (the value most other entities on it hold), the floor the memory's recall is read against."""
+  paths = entity_paths(config, all_probes, tokenizer)
+  entity = with_entity_paths(probes, paths)
   agreement = np.mean([np.asarray(p["cluster_path"]) == q["cluster_path"] for p, q in zip(probes, entity)], axis=0)
   recall = _fact_recall(ProbeEvaluator(graphdef, entity, tokenizer), params, edges)
-  return {"agreement": agreement.tolist(), "fact_recall": recall,
+  return {"agreement": agreement.tolist(), "fact_recall": recall, "path_alone": path_alone(probes, all_probes, paths),
           "recall_delta": recall["probe_acc"] - report["fact_recall"]["probe_acc"]}
 
 
@@ -283,7 +286,8 @@ def markdown_table(report: dict) -> str:
     lines += [f"| prompts on their entity's path, by level of the tree | "
               f"{' / '.join(f'{a:.3f}' for a in entity['agreement'])} |",
               f"| fact recall, every probe on its entity's path | {_pm(e['probe_acc'], e['probe_acc_stderr'])} "
-              f"({entity['recall_delta']:+.3f}) |"]
+              f"({entity['recall_delta']:+.3f}) |",
+              f"| the entity's path alone (its other entities' commonest value) | {entity['path_alone']:.3f} |"]
   generic = report.get("generic_paths")
   if generic:
     lines += [f"| {report['split']} CE, every document on the generic chapters | {generic['ce']:.4f} |",

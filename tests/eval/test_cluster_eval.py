@@ -113,6 +113,16 @@ def test_entity_paths_read_each_probe_by_the_path_of_its_entitys_documents(biogr
   assert entity["fact_recall"]["probe_acc"] == pytest.approx(float(np.mean(correct)), abs=1e-12)
   assert entity["recall_delta"] == pytest.approx(entity["fact_recall"]["probe_acc"]
                                                  - report["fact_recall"]["probe_acc"], abs=1e-12)
+  # the path alone: each probe's answer guessed from the other entities whose documents take its entity's path
+  path_of = {name: tuple(index([text])[0]) for name, text in document.items()}
+  facts = {(p["entity"], p["attribute"]): p["answer"] for p in every}
+  credit = 0.0
+  for p in probes:
+    others = [n for n in path_of if n != p["entity"] and path_of[n] == path_of[p["entity"]]]
+    votes = [sum(facts[n, p["attribute"]] == c for n in others) for c in p["candidates"]]
+    tied = [c for c, v in zip(p["candidates"], votes) if v == max(votes)]
+    credit += (p["answer"] in tied) / len(tied)
+  assert entity["path_alone"] == pytest.approx(credit / len(probes), abs=1e-12)
   assert "every probe on its entity's path" in markdown_table(report)
 
 

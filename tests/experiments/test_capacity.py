@@ -652,8 +652,8 @@ def test_quick_end_to_end(tmp_path):
 
 def test_a_cluster_arms_recall_on_its_entitys_path_is_read_from_its_evaluation(tmp_path, faked, monkeypatch):
   """Each memory run's eval.json here also holds moc_jax.eval's entity_paths (recall 0.41; 0.34 and 0.27 of the
-  prompts on their entity's node at the two levels): the table shows the recall and the last level's share, and
-  the dense runs, which have none, leave the cell empty."""
+  prompts on their entity's node at the two levels; 0.38 from the path alone): the table shows the recall, the last
+  level's share and the path's recall, and the dense runs, which have none, leave the cell empty."""
   real = capacity.evaluate_runs  # the faked one
 
   def with_entity_paths(runs, parallel, harness):
@@ -661,12 +661,12 @@ def test_a_cluster_arms_recall_on_its_entitys_path_is_read_from_its_evaluation(t
     for workdir, memory in runs:
       with open(os.path.join(workdir, "eval.json")) as f:
         report = json.load(f)
-      report["entity_paths"] = {"agreement": [0.34, 0.27], "fact_recall": {"probe_acc": 0.41}}
+      report["entity_paths"] = {"agreement": [0.34, 0.27], "fact_recall": {"probe_acc": 0.41}, "path_alone": 0.38}
       with open(os.path.join(workdir, "eval.json"), "w") as f:
         json.dump(report, f)
   monkeypatch.setattr(capacity, "evaluate_runs", with_entity_paths)
   text = capacity.run(str(tmp_path), SPEC, True, 1, stages=["preflight", "gate", "arms"])
   memory_rows = [line for line in text.splitlines() if line.startswith("| routed-prefix-attention-base_lr")]
   dense_rows = [line for line in text.splitlines() if line.startswith("| dense-mlp624-base_lr")]
-  assert memory_rows and all("| 0.300 | 0.410 (0.27) |" in line for line in memory_rows)
+  assert memory_rows and all("| 0.300 | 0.410 (0.27; path alone 0.380) |" in line for line in memory_rows)
   assert dense_rows and all("| | 0.410" not in line and "(0.27)" not in line for line in dense_rows)
