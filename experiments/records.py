@@ -25,6 +25,7 @@ import shutil
 
 from experiments.evaluation import EVAL_TIME
 from experiments.sweeps.runs import latest_checkpoint, read_manifest, write_manifest
+from moc_jax.config.schema import base_config
 from moc_jax.errors import UsageError
 
 FILES = ("config.json", "eval.json", EVAL_TIME)  # copied as they are
@@ -116,15 +117,19 @@ def _flat(tree, prefix="") -> dict:
 def _check(records, sweep, entry, planned) -> None:
   """A recorded run that its study now plans under its name must have been trained with the config the study now
   makes of it (`planned`: its config.json as moc_jax.main would write it); one line naming the first field that
-  differs otherwise: the study's configs changed under its record, and counting the run would mix two studies."""
+  differs otherwise: the study's configs changed under its record, and counting the run would mix two studies.
+  A field its config.json lacks was added to moc_jax after the run: the run was trained with the field's default,
+  which by the rule for new fields reproduces what moc_jax did before it."""
   if planned is None:
     return
   with open(os.path.join(records, sweep, entry["name"], "config.json")) as f:
     saved, now = _flat(json.load(f)), _flat(planned)
+  defaults = _flat(json.loads(base_config().to_json_best_effort(sort_keys=True)))
   for key in sorted(set(saved) | set(now)):
-    if saved.get(key) != now.get(key):
+    trained = saved.get(key, defaults.get(key))
+    if trained != now.get(key):
       raise UsageError(f"--records={records}: its run {sweep}/{entry['name']} was trained with {key}="
-                       f"{saved.get(key)!r} where the study now makes {now.get(key)!r}; run the moc_jax and configs "
+                       f"{trained!r} where the study now makes {now.get(key)!r}; run the moc_jax and configs "
                        "it was trained with, or start another --records")
 
 

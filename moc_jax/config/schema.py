@@ -243,6 +243,10 @@ def data_config() -> config_dict.ConfigDict:
   cl.k = 0
   cl.levels = 2
   cl.seed = 0
+  # > 0: a text is read by its first `words` words only, in fitting the tree and in finding a text's path. A question
+  # repeats its document's subject (a biography's name: 2 words), not its facts; so read by its subject a document
+  # and a question about it take one path, which carries nothing of the facts. 0: the whole text
+  cl.words = 0
   # the generic-memory control (Pouransari et al. co-train with 1/(k+1)): each training document reads, with this
   # probability, a fixed set of generic chapters (as many as a path's, after the tree's in the bank) instead of its
   # path's; evaluation reports CE and recall with every document on the generic set beside its fetched one. 0: none

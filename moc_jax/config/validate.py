@@ -79,7 +79,7 @@ def validate_data(d) -> None:
   for field, minimum in (("seq_len", 2), ("batch_size", 1), ("num_threads", 0), ("prefetch", 0), ("seed", 0)):
     if not isinstance(d[field], int) or isinstance(d[field], bool) or d[field] < minimum:
       raise DataError(f"config.data.{field}: must be an integer >= {minimum}, got {d[field]!r}")
-  for field, minimum in (("k", 0), ("levels", 1), ("seed", 0)):
+  for field, minimum in (("k", 0), ("levels", 1), ("seed", 0), ("words", 0)):
     value = d.cluster[field]
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
       raise DataError(f"config.data.cluster.{field}: must be an integer >= {minimum}, got {value!r}")

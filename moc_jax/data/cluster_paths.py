@@ -25,7 +25,7 @@ import numpy as np
 
 from moc_jax.config.schema import GENERIC_PATH
 from moc_jax.data.cache_lock import exclusive
-from moc_jax.data.cluster_tree import Embedder, Tree, build_tree
+from moc_jax.data.cluster_tree import Embedder, Tree, build_tree, first_words
 from moc_jax.data.sources import data_dir, open_source, read_manifest
 from moc_jax.errors import DataError
 
@@ -39,33 +39,36 @@ FIT_DOCUMENTS = 1 << 18  # the most training documents a tree is fitted on (fit_
 @dataclasses.dataclass(frozen=True)
 class ClusterIndex:
   """A fitted embedding and the tree over it: texts -> their paths [n, levels] int32 (node index within each
-  level)."""
+  level). `words` > 0: a text is read by its first `words` words only (data.cluster.words), in fitting and
+  traversal alike."""
   embedder: Embedder
   tree: Tree
+  words: int = 0
 
   @property
   def levels(self) -> int:
     return self.tree.levels
 
   def __call__(self, texts) -> np.ndarray:
-    return self.tree.paths(self.embedder(texts))
+    return self.tree.paths(self.embedder(first_words(texts, self.words)))
 
   def save(self, path) -> None:
     """Written under a temporary name and renamed: processes building the same tree at once never read half a
     file."""
     tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, format=_FORMAT, **self.tree.arrays(), **self.embedder.arrays())
+    np.savez(tmp, format=_FORMAT, first_words=self.words, **self.tree.arrays(), **self.embedder.arrays())
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path) -> ClusterIndex:
-    with np.load(path) as f:
-      return cls(Embedder.from_arrays(f), Tree.from_arrays(f))
+    with np.load(path) as f:  # a tree saved before data.cluster.words read whole texts
+      return cls(Embedder.from_arrays(f), Tree.from_arrays(f), int(f["first_words"]) if "first_words" in f else 0)
 
 
-def fit_index(texts, k: int, levels: int, seed: int) -> ClusterIndex:
-  embedder = Embedder.fit(texts)
-  return ClusterIndex(embedder, build_tree(embedder(texts), k, levels, seed))
+def fit_index(texts, k: int, levels: int, seed: int, words: int = 0) -> ClusterIndex:
+  read = first_words(texts, words)
+  embedder = Embedder.fit(read)
+  return ClusterIndex(embedder, build_tree(embedder(read), k, levels, seed), words)
 
 
 def token_paths(index: ClusterIndex, ids, length: int, decode, mode: str) -> np.ndarray:
@@ -121,7 +124,9 @@ def index_path(config_data, tokenizer) -> str:
   identity = json.dumps(_dataset_identity(config_data, tokenizer), sort_keys=True)
   digest = hashlib.sha256(identity.encode()).hexdigest()[:12]
   slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", config_data.name).strip("_")[-40:]
-  return os.path.join(data_dir(config_data), "cluster_trees", f"{slug}-k{c.k}-l{c.levels}-s{c.seed}-{digest}.npz")
+  words = f"-w{c.words}" if c.words else ""  # a tree of whole texts keeps the name it always had
+  return os.path.join(data_dir(config_data), "cluster_trees",
+                      f"{slug}-k{c.k}-l{c.levels}-s{c.seed}{words}-{digest}.npz")
 
 
 def _given_tree(c) -> ClusterIndex:
@@ -132,9 +137,10 @@ def _given_tree(c) -> ClusterIndex:
   except (OSError, ValueError, KeyError) as e:
     raise DataError(f"config.data.cluster.tree={c.tree!r} is not a saved cluster tree ({type(e).__name__}) — "
                     "name a .npz of <data_dir>/cluster_trees/, or leave it None to fit one on this dataset") from None
-  if (index.tree.k, index.levels) != (c.k, c.levels):
+  if (index.tree.k, index.levels, index.words) != (c.k, c.levels, c.words):
     raise DataError(f"config.data.cluster.tree={c.tree!r} is a tree of k={index.tree.k}, {index.levels} levels, "
-                    f"and the config asks k={c.k}, {c.levels} — set data.cluster.k and levels to the tree's")
+                    f"words={index.words}, and the config asks k={c.k}, {c.levels}, words={c.words} — set "
+                    "data.cluster.k, levels and words to the tree's")
   return index
 
 
@@ -153,7 +159,7 @@ def cluster_index(config_data, tokenizer) -> ClusterIndex | None:
     records, to_example = open_source(config_data, "train", tokenizer)
     examples = (to_example(records[i]) for i in fit_documents(len(records), c.seed))
     texts = [tokenizer.decode(example[0]) for example in examples if example is not None]
-    index = fit_index(texts, c.k, c.levels, c.seed)
+    index = fit_index(texts, c.k, c.levels, c.seed, c.words)
     index.save(path)
   log.warning("moc_jax: cluster tree (k=%d, %d levels) fitted on %d of %d training documents -> %s", c.k, c.levels,
               len(texts), len(records), path)

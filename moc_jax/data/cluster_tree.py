@@ -31,6 +31,13 @@ HASHES = 4          # buckets each word is signed into: collisions of two words 
 _WORD = re.compile(r"\w+")
 
 
+def first_words(texts: Sequence[str], words: int) -> Sequence[str]:
+  """Each text cut to its first `words` words (the words the embedding reads), or `texts` as they are for 0."""
+  if not words:
+    return texts
+  return [" ".join(_WORD.findall(t)[:words]) for t in texts]
+
+
 @functools.lru_cache(maxsize=1 << 20)
 def _word_hashes(word: str, dim: int) -> tuple[tuple[int, float], ...]:
   """(bucket, sign) pairs of one word, from a hash that is the same in every process (str.__hash__ is salted)."""

@@ -14,8 +14,10 @@ from moc_jax.data import cluster_paths
 from moc_jax.data.cache_lock import exclusive
 from moc_jax.data.cluster_paths import ClusterIndex, cluster_index, generic_paths, index_path
 from moc_jax.data.cluster_tree import Embedder
+from moc_jax.data.facts import MocFactsConfig, generate
 from moc_jax.data.sources import open_source
 from moc_jax.errors import DataError
+from tests.data.test_facts import biography as biography_facts
 from tests.data.test_pipeline import BYTE
 from tests.data.test_pipeline import _config as pipeline_config
 
@@ -173,8 +175,8 @@ def test_a_given_tree_is_used_as_it_is_on_other_data(data_dir, tmp_path):
   texts = [f"entity {i} was born in Karsk and works as a baker" for i in range(20)]
   np.testing.assert_array_equal(cluster_index(b, BYTE)(texts), index_a(texts))
   assert not os.path.exists(index_path(_config(data_dir, facts={**b.facts.to_dict(), "seed": 1}), BYTE))
-  with pytest.raises(DataError, match=r"config.data.cluster.tree=.* is a tree of k=4, 2 levels, and the config asks "
-                                      r"k=8, 2"):
+  with pytest.raises(DataError, match=r"config.data.cluster.tree=.* is a tree of k=4, 2 levels, words=0, and the "
+                                      r"config asks k=8, 2, words=0"):
     cluster_index(_config(data_dir, cluster={"tree": tree_a, "k": 8}), BYTE)
   (tmp_path / "bad.npz").write_text("no tree")
   with pytest.raises(DataError, match=r"config.data.cluster.tree=.* is not a saved cluster tree"):
@@ -187,7 +189,7 @@ def test_a_word_the_corpus_never_had_weighs_nothing():
   assert (embed(["zzz"]) == 0).all()
 
 
-@pytest.mark.parametrize("field, value", [("k", -1), ("k", 1), ("levels", 0), ("seed", -1)])
+@pytest.mark.parametrize("field, value", [("k", -1), ("k", 1), ("levels", 0), ("seed", -1), ("words", -1)])
 def test_invalid_cluster_fields_name_the_field(data_dir, field, value):
   with pytest.raises(DataError, match=f"config.data.cluster.{field}:"):
     make_train_iterator(_config(data_dir, cluster={field: value}))
@@ -236,3 +238,41 @@ def test_a_process_waits_for_the_tree_another_is_building_and_reads_it(data_dir)
     theirs.save(path)
   waiting.join()
   assert got["index"].embedder == theirs.embedder
+
+
+def test_a_tree_of_first_words_sends_a_document_and_a_question_on_its_subject_one_way(data_dir, tmp_path):
+  """data.cluster.words=2 on a biography corpus: each entity's name. Every training document and the prompt of each of
+  its probes reach one path (prompt and document share their first two words, and only those are read); the tree
+  is cached under its own name, keeps its words through save and load, and a tree of other words is refused."""
+  facts = biography_facts(num_entities=20, num_docs=200, num_val_docs=20).to_dict()
+  c = _config(data_dir, cluster={"k": 4, "levels": 2, "seed": 103, "words": 2}, facts=facts)
+  assert index_path(c, BYTE).endswith(f"-s103-w2-{index_path(c, BYTE).rsplit('-', 1)[1]}")
+  index = cluster_index(c, BYTE)  # fitted on this biography corpus's names
+  assert index.words == 2
+  corpus = generate(MocFactsConfig.for_sizes(c.facts))
+  docs = [d["text"] for d in corpus["train"]]
+  doc_paths = {}
+  for d, path in zip(corpus["train"], index(docs)):
+    doc_paths.setdefault(d["entity"], set()).add(tuple(path))
+  assert all(len(paths) == 1 for paths in doc_paths.values())
+  assert len(set.union(*doc_paths.values())) >= 4  # the names are split over the tree, not all on one path
+  prompt_paths = index([p["prompt"] for p in corpus["probes"]])
+  assert all({tuple(path)} == doc_paths[p["entity"]] for p, path in zip(corpus["probes"], prompt_paths))
+  # only the first two words are read: a name followed by other entities' names keeps the first name's path
+  path_of = {e: next(iter(paths)) for e, paths in doc_paths.items()}
+  pairs = [(a, b) for a in path_of for b in path_of if path_of[a] != path_of[b]]
+  mixed = index([f"{a}: {b} {b} {b}" for a, b in pairs])
+  assert [tuple(p) for p in mixed] == [path_of[a] for a, _ in pairs]
+  # the same corpus read whole sends some prompt off its entity's path: the words are what joins them
+  whole = _config(data_dir, cluster={"k": 4, "levels": 2, "seed": 103}, facts=facts)
+  whole_index = cluster_index(whole, BYTE)
+  assert whole_index.words == 0 and index_path(whole, BYTE) != index_path(c, BYTE)
+  whole_docs = {d["entity"]: tuple(p) for d, p in zip(corpus["train"], whole_index(docs))}
+  assert any(tuple(p) != whole_docs[q["entity"]]
+             for q, p in zip(corpus["probes"], whole_index([q["prompt"] for q in corpus["probes"]])))
+  index.save(tmp_path / "words.npz")
+  assert ClusterIndex.load(tmp_path / "words.npz").words == 2
+  np.testing.assert_array_equal(ClusterIndex.load(tmp_path / "words.npz")(docs), index(docs))
+  with pytest.raises(DataError, match=r"is a tree of k=4, 2 levels, words=2, and the config asks k=4, 2, words=0"):
+    cluster_index(_config(data_dir, cluster={"k": 4, "levels": 2, "tree": str(tmp_path / "words.npz")}, facts=facts),
+                  BYTE)

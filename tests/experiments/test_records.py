@@ -163,6 +163,19 @@ def test_a_record_of_another_config_is_one_error_and_nothing_is_copied(tmp_path)
   assert not (tmp_path / "new").exists()
 
 
+def test_a_field_added_after_a_run_was_recorded_counts_as_its_default(tmp_path):
+  """config.json of a run trained before moc_jax had data.cluster.words lacks it: the run was trained with its
+  default (0, no first-words tree), and a study asking for 2 is refused."""
+  out, kept = tmp_path / "dir", tmp_path / "records"
+  _run(str(out / "gate"), "narrow")
+  records.save(str(out), str(kept), ["gate"], _done)
+  now = {"name": "narrow", "data": {"cluster": {"words": 0}}}
+  assert records.restore(str(kept), str(tmp_path / "same"), ["gate"], SPEC, {("gate", "narrow"): now})
+  with pytest.raises(UsageError, match=r"trained with data.cluster.words=0 where the study now makes 2"):
+    now["data"]["cluster"]["words"] = 2
+    records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC, {("gate", "narrow"): now})
+
+
 def test_the_study_goes_on_from_its_record_where_its_directory_was_lost(tmp_path, faked):  # noqa: F811
   """Every stage at the quick size, DIR lost after the gate and again at the end: the next part trains only what
   was not finished, and the report from the record alone is the report from the whole DIR."""
