@@ -181,7 +181,13 @@ MEMORY_ARMS = {
     "cluster": ({**TREE, "memory.cluster_chapters": (0, 1)}, "chapters"),
     # FFN memory in the bank's parameters, as columns of the MLP fetched by the path
     "ffn": ({**TREE, "memory.kind": "ffn", "memory.num_shared": 0}, "ffn"),
+    # the cluster arm's bank fetched by the subject's path: the tree reads a text's first two words, a biography's
+    # name, so a question takes the path of its entity's documents (on the whole-text tree 27% of prompts reach
+    # their entity's leaf) and the path itself tells nothing of the facts (the whole-text path alone recalls 0.387
+    # where chance is 0.25: docs/results/2026-12-07-capacity-arms-r800.md): a pure test of what the bank stores
+    "subject": ({**TREE, "data.cluster.words": 2, "memory.cluster_chapters": (0, 1)}, "chapters"),
 }
+SIZED_LIKE = {"subject": "cluster"}  # an arm whose memory has another arm's sizes (SHAPES' "arms")
 
 
 def shapes(c) -> dict:
@@ -198,7 +204,8 @@ def wide(c) -> dict:
 def memory_arms(c) -> dict:
   """The MEMORY_ARMS whose memory.kind this schema has (`chapters` always: a schema without memory.kind has only it),
   each with its sizes in `c`'s representation."""
-  return {name: {**MEMORY_ARMS[name][0], **shapes(c)["arms"].get(name, {})} for name in _arm_names()}
+  sizes = shapes(c)["arms"]
+  return {name: {**MEMORY_ARMS[name][0], **sizes.get(SIZED_LIKE.get(name, name), {})} for name in _arm_names()}
 
 
 def _arm_names() -> list[str]:

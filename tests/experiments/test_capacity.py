@@ -191,6 +191,9 @@ def test_narrow_16_sizes_the_study_for_a_d16_backbone_whose_wide_one_is_d32():
     assert count_params(load(kind))["bank"] == pytest.approx(65 * 16 * 16, rel=0.15), kind
   costliest = max(model_flops_per_token(load(k)) for k in ("moc", "pkm", "hml", "cluster", "ffn"))
   assert model_flops_per_token(iso) / costliest == pytest.approx(1, abs=0.02) and not iso.memory.enabled
+  subject, cluster = load("subject").to_dict(), load("cluster").to_dict()
+  assert subject["data"]["cluster"].pop("words") == 2 and cluster["data"]["cluster"].pop("words") == 0
+  assert {**subject, "name": None} == {**cluster, "name": None}  # the cluster arm's bank, read by the subject's path
   assert load_config("configs/capacity.py:dense,words,narrow=32").to_dict() == load_config(
       "configs/capacity.py:dense,words").to_dict()
   for bad in ("words,narrow=24", "words,narrow=16,narrow=32", "narrow=16"):
