@@ -171,8 +171,8 @@ def test_a_field_added_after_a_run_was_recorded_counts_as_its_default(tmp_path):
   records.save(str(out), str(kept), ["gate"], _done)
   now = {"name": "narrow", "data": {"cluster": {"words": 0}}}
   assert records.restore(str(kept), str(tmp_path / "same"), ["gate"], SPEC, {("gate", "narrow"): now})
+  now["data"]["cluster"]["words"] = 2
   with pytest.raises(UsageError, match=r"trained with data.cluster.words=0 where the study now makes 2"):
-    now["data"]["cluster"]["words"] = 2
     records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC, {("gate", "narrow"): now})
 
 
