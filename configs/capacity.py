@@ -338,8 +338,8 @@ def _arms_sweep(c):
 
 
 def _confirm(c):
-  """The `arms` points once per seed of SEEDS, each seed on its own corpus (the harness runs the best memory arm
-  and its iso-FLOP dense model, at their rates)."""
+  """The `arms` points once per seed of SEEDS, each seed on its own corpus (the harness runs the arms
+  experiments/capacity.py choose_confirmed chooses, at their rates)."""
   return [{**p, "data.facts.seed": s + 1, "seed": s, "data.seed": s} for s in SEEDS for p in _arms_sweep(c)]
 
 

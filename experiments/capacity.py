@@ -18,7 +18,8 @@ finished run is never trained again, an interrupted one resumes from its checkpo
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) searched the same way (DIR/lr/),
              then each at its best rate (DIR/arms/)
   confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
-             seed on a corpus of its own.
+             seed on a corpus of its own; then, the same way, the best memory arm addressed the other way (by the
+             data's cluster tree, or by the model's own router: choose_confirmed says why both).
 
 Every run scores fact recall (likelihood choice among 4 candidates, chance 0.25) and greedy exact match on 4,096
 probes of facts it saw (train.num_probes: a binomial standard error of at most 0.0078; every fact, where the corpus
@@ -52,9 +53,9 @@ a gate that passed, and the report judges no goal without one. `--quick` (tiny s
 minutes; CI runs it) runs every stage whatever the gate says, and its report still counts no goal without a gate that
 passed.
 
-The goal (goal_verdict): the confirmed memory arm beats the iso-FLOP dense model on recall with Welch's t of at
-least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its recall above
-chance (means over seeds).
+The goal (goal_verdict, judged for each confirmed memory arm): the arm beats the iso-FLOP dense model on recall with
+Welch's t of at least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its
+recall above chance (means over seeds).
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
@@ -252,13 +253,14 @@ def _plan(spec, sweep, size):
 def read_runs(out, sweep, size) -> list[dict] | None:
   """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
   (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated),
-  `entity_recall`, `path_agreement` and `path_alone` (a cluster arm's recall with each probe on its entity's path, the
+  `tree_read` (its memory is addressed by the data's cluster tree), `entity_recall`, `path_agreement` and `path_alone` (a cluster arm's recall with each probe on its entity's path, the
   share of prompts whose own path is that one at the tree's last level, and the recall of the path by itself:
   moc_jax.eval's entity_paths), `curve`
   [(training tokens, recall, exact match)], `cooled` {the step a cool-down ended at: {recall, probes, exact_match,
   val_ce, tokens}}, `fact_bits` (of its corpus), `parameters` (trained_parameters) and `eval_s`; None when DIR has no
   such sweep."""
   from moc_jax.config import load_run_config
+  from moc_jax.config.schema import TREE_ROUTINGS
   from moc_jax.data.facts import fact_bits
   from moc_jax.train.cooldown import SPLIT
   sweep_dir = os.path.join(out, sweep)
@@ -276,6 +278,7 @@ def read_runs(out, sweep, size) -> list[dict] | None:
                  path_agreement=entity["agreement"][-1] if entity else None, path_alone=entity.get("path_alone"))
       run.update(lr=config.train.base_lr, probes=final.get("num_probes", 0), recall=row["fact_recall"],
                  knockout=row.get("recall_without_bank"), memory=is_moc(config),
+                 tree_read=config.memory.routing in TREE_ROUTINGS,
                  fact_bits=fact_bits(config.data.facts)["total"], parameters=trained_parameters(config),
                  curve=[(r["step"] * per_step, r["probe_acc"], r["probe_exact"]) for r in metrics
                         if r.get("split") == "validation" and "probe_acc" in r],
@@ -347,23 +350,30 @@ def lr_search(points, runs, shapes) -> tuple[list, dict]:
   return [p for p in points if p.name in todo], search
 
 
-def choose_confirmed(arm_runs) -> tuple[dict, dict] | None:
-  """(the memory arm's run with the best recall (then the lower CE), the dense arm's run nearest it in FLOPs per
-  token: its iso-FLOP dense model) among the finished `arms` runs; None without both."""
+def choose_confirmed(arm_runs) -> tuple[list[dict], dict] | None:
+  """([the memory arms' runs to confirm], the dense run they are confirmed against) among the finished `arms` runs;
+  None without both kinds. First the memory arm with the best recall (_best), then the best of the memory arms
+  addressed the other way, when there is one: by the data's cluster tree, an index from outside the model, or by
+  the model's own router (`tree_read`). The two answer different questions: a bank read by a tree of the documents'
+  subjects tests what a memory can store, a memory read by its own router whether a model finds what it stored. The
+  dense arm's run nearest the first in FLOPs per token is their iso-FLOP model."""
   done = _done(arm_runs)
   memory = [r for r in done if r["memory"]]
   dense = [r for r in done if not r["memory"]]
   if not memory or not dense:
     return None
-  best = max(memory, key=lambda r: (r["recall"], -r["val_ce"]))
-  return best, min(dense, key=lambda r: abs(r["flops_per_token"] - best["flops_per_token"]))
+  best = _best(memory)
+  other = [r for r in memory if r["tree_read"] != best["tree_read"]]
+  return [best, *([_best(other)] if other else [])], min(
+      dense, key=lambda r: abs(r["flops_per_token"] - best["flops_per_token"]))
 
 
 def sweep_points(spec, sweep, size, runs) -> list:
   """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `gate_lr` and `lr` the
   rungs their search needs next (lr_search), `gate` and `arms` each model at the rate its search chose, `confirm` the
-  memory arm of `arms` with the best recall and the iso-FLOP dense model at their rates, once per seed of the size;
-  `preflight` its point. Raises UsageError when `arms` is not finished for `confirm`."""
+  arms choose_confirmed chooses at their rates, once per seed of the size (the best memory arm and the iso-FLOP dense
+  model; once those are done, the best memory arm addressed the other way); `preflight` its point. Raises UsageError
+  when `arms` is not finished for `confirm`."""
   from moc_jax.errors import UsageError
   points = _plan(spec, sweep, size)
   if sweep in SEARCHES:
@@ -378,10 +388,21 @@ def sweep_points(spec, sweep, size, runs) -> list:
     if chosen is None or done != planned:
       raise UsageError(f"stage confirm needs every arm of stage arms finished ({len(done)} of {len(planned)}); run "
                        "--stages=arms first")
-    rates = {r["arm"]: r["lr"] for r in chosen}
-    points = [p for p in points if p.config.seed in size["seeds"]]
+    (best, *others), dense = chosen
+    seeded = [p for p in points if p.config.seed in size["seeds"]]
+    first = _at_rates(seeded, [best, dense], size)
+    confirmed = {r["run"] for r in _done(runs.get("confirm"))}
+    if not all(p.name in confirmed for p in first):
+      return first  # a round of its own: the best arm's verdict does not wait for the other addressing's runs
+    return first + _at_rates(seeded, others, size)
   else:
     return points
+  return _at_rates(points, [{"arm": arm, "lr": lr} for arm, lr in rates.items()], size)
+
+
+def _at_rates(points, chosen, size) -> list:
+  """The `points` of the arms of `chosen` ({arm, lr}) at their rates."""
+  rates = {r["arm"]: r["lr"] for r in chosen}
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
 
 
@@ -492,9 +513,10 @@ def search_table(search) -> list[str]:
                   for arm, s in search.items()]
 
 
-def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=None) -> str:
+def markdown(spec, size_name, runs, gate, goals, refusal, wall, machine, search=None) -> str:
   """capacity.md: each stage DIR holds (`wall`: the stages this invocation ran, and how long each took), each rate
-  search per model (`search`: sweep -> lr_search's), the gate's verdict, the goal's, the wall times."""
+  search per model (`search`: sweep -> lr_search's), the gate's verdict, the goal's per confirmed arm (`goals`:
+  _goals'), the wall times."""
   flag = " --quick" if size_name == "quick" else ""
   lines = [f"# Does memory pay? `python -m experiments.capacity --config={spec}{flag}`", "",
            (f"Size `{size_name}`; {machine}. Fact recall: likelihood choice among 4 candidates (chance {CHANCE:g}) "
@@ -524,13 +546,13 @@ def markdown(spec, size_name, runs, gate, goal, refusal, wall, machine, search=N
             "| check | met | numbers |", "|---|---|---|"]
   lines += [f"| {name} | {'yes' if met else '**no**'} | {numbers} |" for name, met, numbers in gate["checks"]]
   lines += ["", "## The goal", ""]
-  if goal is None:
+  if not goals:
     lines.append("Not judged: DIR holds no finished confirmation.")
-  else:
+  for i, goal in enumerate(goals):
     verdict = ("**met**" if goal["met"] else "**not met**") if gate["passed"] else (
         "not counted: the gate did not pass, so the regime is not shown to be capacity-bound")
     m, d, k = goal["memory"], goal["dense"], goal["knockout"]
-    lines.append(f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
+    lines.append(("" if i == 0 else "\n") + f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
                  f"{d[0]:.3f} ± {_num(d[1])} ({goal['dense_arm']}; mean ± standard error over {goal['n']} seeds and "
                  f"corpora): Welch's t {goal['t']:+.2f} ({goal['df']:.1f} degrees of freedom; needs ≥ {GOAL_T:g}). "
                  f"Its memory knocked out, it recalls {k[0]:.3f} ± {_num(k[1])}: the memory holds "
@@ -571,14 +593,20 @@ def _gate(spec, size, runs) -> dict:
                       score(None if wide is None else _by_name(runs.get("gate"), wide.name)), score(quarter))
 
 
-def _goal(runs) -> dict | None:
-  """goal_verdict on the confirmation DIR holds: the memory arm's runs and the dense arm's, over seeds."""
+def _goals(runs) -> list[dict]:
+  """goal_verdict per memory arm of the confirmation DIR holds (two seeds or more of it and of the dense arm), in
+  the order choose_confirmed confirms them."""
   done = _done(runs.get("confirm"))
-  memory = [r for r in done if r["memory"] and r["knockout"] is not None]
   dense = [r for r in done if not r["memory"]]
-  if len(memory) < 2 or len(dense) < 2:
-    return None
-  return {**goal_verdict(memory, dense), "arm": memory[0]["arm"], "dense_arm": dense[0]["arm"], "n": len(memory)}
+  arms = {}
+  for r in done:
+    if r["memory"] and r["knockout"] is not None:
+      arms.setdefault(r["arm"], []).append(r)
+  chosen = choose_confirmed(runs.get("arms"))
+  order = [r["arm"] for r in chosen[0]] if chosen else []
+  ranked = sorted(arms, key=lambda arm: order.index(arm) if arm in order else len(order))
+  return [{**goal_verdict(arms[arm], dense), "arm": arm, "dense_arm": dense[0]["arm"], "n": len(arms[arm])}
+          for arm in ranked if len(arms[arm]) >= 2 and len(dense) >= 2]
 
 
 def _phases(sweep, points) -> list[list]:
@@ -695,7 +723,7 @@ def run(out, spec, quick, parallel, stages=STAGES, kept="") -> str:
   machine = f"{os.cpu_count()} cores of {cpu_model()}, {time.strftime('%Y-%m-%d')}"
   search = {sweep: lr_search(_plan(spec, sweep, size), runs[sweep], size["shapes"])[1]
             for sweep in SEARCHES if runs.get(sweep) is not None}
-  text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goal(runs), refusal, wall, machine, search)
+  text = markdown(spec, size_name, runs, _gate(spec, size, runs), _goals(runs), refusal, wall, machine, search)
   for where in (out, kept):
     if where:
       os.makedirs(where, exist_ok=True)

@@ -639,6 +639,44 @@ def test_the_whole_pipeline_with_training_faked(tmp_path, faked):
   assert len(trained) == count  # nothing trained twice
 
 
+def _arm_run(arm, recall, *, memory=True, tree_read=False, flops=100, val_ce=1.7):
+  return {"status": "done", "arm": arm, "recall": recall, "val_ce": val_ce, "memory": memory, "tree_read": tree_read,
+          "flops_per_token": flops}
+
+
+def test_the_confirmation_takes_the_best_memory_of_each_addressing():
+  """The memory arm with the best recall (here one read by the cluster tree), then the best of those read by their
+  own router (a tie in recall goes to the lower validation CE); the dense arm nearest the first in FLOPs per token is
+  their iso-FLOP model. One addressing alone: its best arm only; no dense arm: nothing."""
+  runs = [_arm_run("subject", 0.407, tree_read=True, flops=105), _arm_run("cluster", 0.311, tree_read=True),
+          _arm_run("pkm", 0.389, flops=110, val_ce=1.70), _arm_run("moc", 0.389, flops=108, val_ce=1.69),
+          _arm_run("hml", 0.357), _arm_run("iso", 0.361, memory=False, flops=104),
+          _arm_run("narrow", 0.361, memory=False, flops=40), {"status": "failed", "arm": "ffn"}]
+  memories, dense = capacity.choose_confirmed(runs)
+  assert [r["arm"] for r in memories] == ["subject", "moc"] and dense["arm"] == "iso"
+  routed, dense = capacity.choose_confirmed([r for r in runs if not r.get("tree_read")])
+  assert [r["arm"] for r in routed] == ["moc"] and dense["arm"] == "iso"
+  assert capacity.choose_confirmed([r for r in runs if r.get("memory")]) is None
+
+
+def test_the_confirmation_judges_the_best_arm_first_then_the_other_addressing(tmp_path, faked, monkeypatch):
+  """With a memory arm read by the cluster tree among the arms: the confirmation trains the best arm (the first of
+  equals: MoC, read by its router) and the dense model on every seed, and only then the best tree-read arm; the
+  report judges the goal for each, the best arm first."""
+  trained, _, _ = faked
+  monkeypatch.setitem(capacity.SIZES, "quick", {**QUICK, "memory_arms": 4})
+  out = str(tmp_path)
+  capacity.run(out, SPEC, True, 1, stages=["preflight", "gate", "arms"])
+  del trained[:]
+  text = capacity.run(out, SPEC, True, 1, stages=["confirm"])
+  cluster = "k16-levels2-cluster-mean-cluster_chapters0_1"
+  seeds = [f"base_lr0.005-memory_lr0.005-corpus{s + 1}-seed{s}" for s in (0, 1)]
+  assert trained == [f"{arm}-{seed}" for seed in seeds for arm in ("routed-prefix-attention", "dense-mlp624")] + [
+      f"{cluster}-{seed}" for seed in seeds]
+  goals = text.split("## The goal")[1]
+  assert goals.index("**met**. routed-prefix-attention recalls") < goals.index(f"**met**. {cluster} recalls")
+
+
 def test_confirm_needs_every_arm(tmp_path, faked):
   with pytest.raises(UsageError, match="stage confirm needs every arm of stage arms finished .0 of 2"):
     capacity.run(str(tmp_path), SPEC, True, 1, stages=["confirm"])
