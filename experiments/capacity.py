@@ -18,8 +18,8 @@ finished run is never trained again, an interrupted one resumes from its checkpo
   arms       every arm (the iso-FLOP dense model and each memory arm the schema has) searched the same way (DIR/lr/),
              then each at its best rate (DIR/arms/)
   confirm    the memory arm with the best recall and the iso-FLOP dense model, at their rates, one run per seed, each
-             seed on a corpus of its own; then, the same way, the best memory arm addressed the other way (by the
-             data's cluster tree, or by the model's own router: choose_confirmed says why both).
+             seed on a corpus of its own, started first; and the same way the best memory arm addressed the other
+             way (by the data's cluster tree, or by the model's own router: choose_confirmed says why both).
 
 Every run scores fact recall (likelihood choice among 4 candidates, chance 0.25) and greedy exact match on 4,096
 probes of facts it saw (train.num_probes: a binomial standard error of at most 0.0078; every fact, where the corpus
@@ -371,8 +371,7 @@ def choose_confirmed(arm_runs) -> tuple[list[dict], dict] | None:
 def sweep_points(spec, sweep, size, runs) -> list:
   """The points of `sweep` its stage runs, given what DIR holds (`runs`: sweep -> read_runs): `gate_lr` and `lr` the
   rungs their search needs next (lr_search), `gate` and `arms` each model at the rate its search chose, `confirm` the
-  arms choose_confirmed chooses at their rates, once per seed of the size (the best memory arm and the iso-FLOP dense
-  model; once those are done, the best memory arm addressed the other way); `preflight` its point. Raises UsageError
+  arms choose_confirmed chooses at their rates, once per seed of the size; `preflight` its point. Raises UsageError
   when `arms` is not finished for `confirm`."""
   from moc_jax.errors import UsageError
   points = _plan(spec, sweep, size)
@@ -388,13 +387,8 @@ def sweep_points(spec, sweep, size, runs) -> list:
     if chosen is None or done != planned:
       raise UsageError(f"stage confirm needs every arm of stage arms finished ({len(done)} of {len(planned)}); run "
                        "--stages=arms first")
-    (best, *others), dense = chosen
-    seeded = [p for p in points if p.config.seed in size["seeds"]]
-    first = _at_rates(seeded, [best, dense], size)
-    confirmed = {r["run"] for r in _done(runs.get("confirm"))}
-    if not all(p.name in confirmed for p in first):
-      return first  # a round of its own: the best arm's verdict does not wait for the other addressing's runs
-    return first + _at_rates(seeded, others, size)
+    memories, dense = chosen
+    return _at_rates([p for p in points if p.config.seed in size["seeds"]], [*memories, dense], size)
   else:
     return points
   return _at_rates(points, [{"arm": arm, "lr": lr} for arm, lr in rates.items()], size)
@@ -406,6 +400,16 @@ def _at_rates(points, chosen, size) -> list:
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
 
 
+def _first(out, sweep, points, size) -> set[str]:
+  """The points a sweep starts before its others: in `confirm`, the best memory arm's and the iso-FLOP dense
+  model's, on which the goal's first verdict waits; the other addressing's runs take the slots they leave."""
+  chosen = choose_confirmed(read_runs(out, "arms", size)) if sweep == "confirm" else None
+  if chosen is None:
+    return set()
+  arms = {chosen[0][0]["arm"], chosen[1]["arm"]}
+  return {p.name for p in points if arm_of(p.overrides, size["shapes"]) in arms}
+
+
 def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
   """Trains `points` in DIR/<sweep> to completion, evaluates those with memory with it knocked out, collects the
   sweep's tables and plots the learning curves of what DIR/<sweep> then holds. The evaluations run however the
@@ -413,7 +417,7 @@ def _run_sweep(out, spec, sweep, points, parallel, size) -> None:
   evaluated, so that a record (--records) keeps them; a second Ctrl-C stops that too."""
   sweep_dir = os.path.join(out, sweep)
   try:
-    run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity")
+    run_to_completion(sweep_dir, spec, sweep, points, parallel, "capacity", first=_first(out, sweep, points, size))
   finally:
     workdirs = {p.name: os.path.join(sweep_dir, p.name) for p in points}
     evaluate_runs([(workdirs[p.name], True) for p in points

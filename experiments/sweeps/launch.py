@@ -71,12 +71,12 @@ class Launcher:
   Ctrl-C sends SIGTERM to the running commands (moc_jax.main then saves a checkpoint and exits), marks
   them pending and starts nothing more; the same command later resumes them. `launch_dir`: see `commands`;
   `python_path`: directories put first on the runs' PYTHONPATH (launch/sweep.py: the repository, so an
-  uninstalled checkout runs its own moc_jax)."""
+  uninstalled checkout runs its own moc_jax); `first`: names of points to start before the others (order)."""
 
   def __init__(self, sweep_dir, spec, sweep, points, backend="local", backend_args=(), out=None,
-               launch_dir="launch", python_path=()):
+               launch_dir="launch", python_path=(), first=()):
     self.dir, self.points, self.backend, self.out = sweep_dir, points, backend, out or sys.stdout
-    self.python_path = tuple(python_path)
+    self.python_path, self.first = tuple(python_path), frozenset(first)
     previous = {e["name"]: e for e in read_manifest(sweep_dir)}
     for e in previous.values():
       if (e.get("config"), e.get("sweep")) != (spec, sweep):
@@ -148,15 +148,17 @@ class Launcher:
     return counts
 
   def order(self, parallel) -> list[str]:
-    """The points not done, in the order they start: the plan's one at a time; the most training FLOPs left (from
-    the newest checkpoint) first when several run at once, so that the sweep ends when its longest run does, not
-    after a long run started last."""
+    """The points not done, in the order they start: those of `first` before the others (a harness whose verdict
+    waits on some runs gets them first, while the others fill the slots they leave), and within each group the
+    plan's order one at a time; the most training FLOPs left (from the newest checkpoint) first when several run at
+    once, so that the group ends when its longest run does, not after a long run started last."""
     todo = [p for p in self.points if self.entries[p.name]["status"] != "done"]
     if parallel > 1:
       def left(p):
         steps, done = p.config.train.steps, latest_checkpoint(self.entries[p.name]["workdir"]) or 0
         return compute(p.config)["train_flops"] * max(steps - done, 0) / steps
       todo.sort(key=left, reverse=True)
+    todo.sort(key=lambda p: p.name not in self.first)  # stable: each group keeps its order
     return [p.name for p in todo]
 
   def _save(self):
@@ -236,11 +238,12 @@ def stop_signals():
       signal.signal(signum, handler)
 
 
-def run_to_completion(sweep_dir, spec, sweep, points, parallel, harness) -> None:
+def run_to_completion(sweep_dir, spec, sweep, points, parallel, harness, first=()) -> None:
   """Runs `points` in sweep_dir until each is done (a stage of a harness such as experiments.retention; finished
   points are skipped and interrupted ones resume, as with launch/sweep.py), with the current directory first
-  on the runs' PYTHONPATH. Stops the harness, naming what to look at, when any point did not finish."""
-  counts = Launcher(sweep_dir, spec, sweep, points, python_path=(os.getcwd(),)).run(parallel)
+  on the runs' PYTHONPATH, the points named in `first` started first (Launcher.order). Stops the harness, naming
+  what to look at, when any point did not finish."""
+  counts = Launcher(sweep_dir, spec, sweep, points, python_path=(os.getcwd(),), first=first).run(parallel)
   if counts.get("done", 0) != len(points):
     raise SystemExit(f"{harness}: {sweep} finished {counts.get('done', 0)} of {len(points)} runs ({counts}); "
                      f"see {sweep_dir}/{MANIFEST} and each run's {LOG}, then re-run the same command")

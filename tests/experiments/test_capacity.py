@@ -660,8 +660,8 @@ def test_the_confirmation_takes_the_best_memory_of_each_addressing():
 
 
 def test_the_confirmation_judges_the_best_arm_first_then_the_other_addressing(tmp_path, faked, monkeypatch):
-  """With a memory arm read by the cluster tree among the arms: the confirmation trains the best arm (the first of
-  equals: MoC, read by its router) and the dense model on every seed, and only then the best tree-read arm; the
+  """With a memory arm read by the cluster tree among the arms: the confirmation starts the best arm's runs (the first
+  of equals: MoC, read by its router) and the dense model's on every seed first, then the best tree-read arm's; the
   report judges the goal for each, the best arm first."""
   trained, _, _ = faked
   monkeypatch.setitem(capacity.SIZES, "quick", {**QUICK, "memory_arms": 4})

@@ -344,6 +344,10 @@ def test_parallel_points_start_with_the_most_training_left(tmp_path):
   launcher = Launcher(sweep_dir, spec, "topk", points)
   assert launcher.order(1) == ["k1", "k2", "k4"]
   assert launcher.order(2) == ["k2", "k1", "k4"]
+  # the points named first start first, each group in its own order (k8, done, named or not, does not start)
+  first = Launcher(sweep_dir, spec, "topk", points, first={"k4", "k1", "k8"})
+  assert first.order(1) == ["k1", "k4", "k2"]
+  assert first.order(2) == ["k1", "k4", "k2"]
 
 
 def test_ctrl_c_stops_running_points_and_leaves_them_pending(tmp_path, monkeypatch, fake_backend, capsys):
