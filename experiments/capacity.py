@@ -55,7 +55,8 @@ passed.
 
 The goal (goal_verdict, judged for each confirmed memory arm): the arm beats the iso-FLOP dense model on recall with
 Welch's t of at least GOAL_T = 3 over the seeds, and knocking its memory out removes at least GOAL_HELD = 0.5 of its
-recall above chance (means over seeds).
+recall above chance (means over seeds). Two arms judged are two chances at a t of 3 by luck: a record reads a verdict
+knowing how many arms were confirmed.
 
 --stages runs some stages (the study takes days on a CPU: split it over invocations or machines sharing DIR); a
 stage left out is not run, but capacity.md reports what DIR holds of it. Where DIR does not survive from one part to
@@ -253,9 +254,9 @@ def _plan(spec, sweep, size):
 def read_runs(out, sweep, size) -> list[dict] | None:
   """What DIR/<sweep> holds, one dict per run of its manifest: report.run_rows's columns, and `arm`, `lr`, `probes`
   (of its final evaluation), `recall_se`, `knockout` (recall with its memory knocked out, if evaluated),
-  `tree_read` (its memory is addressed by the data's cluster tree), `entity_recall`, `path_agreement` and `path_alone` (a cluster arm's recall with each probe on its entity's path, the
-  share of prompts whose own path is that one at the tree's last level, and the recall of the path by itself:
-  moc_jax.eval's entity_paths), `curve`
+  `tree_read` (its memory is addressed by the data's cluster tree), `entity_recall`, `path_agreement` and
+  `path_alone` (a cluster arm's recall with each probe on its entity's path, the share of prompts whose own path is
+  that one at the tree's last level, and the recall of the path by itself: moc_jax.eval's entity_paths), `curve`
   [(training tokens, recall, exact match)], `cooled` {the step a cool-down ended at: {recall, probes, exact_match,
   val_ce, tokens}}, `fact_bits` (of its corpus), `parameters` (trained_parameters) and `eval_s`; None when DIR has no
   such sweep."""
@@ -388,15 +389,10 @@ def sweep_points(spec, sweep, size, runs) -> list:
       raise UsageError(f"stage confirm needs every arm of stage arms finished ({len(done)} of {len(planned)}); run "
                        "--stages=arms first")
     memories, dense = chosen
-    return _at_rates([p for p in points if p.config.seed in size["seeds"]], [*memories, dense], size)
+    rates = {r["arm"]: r["lr"] for r in [*memories, dense]}
+    points = [p for p in points if p.config.seed in size["seeds"]]
   else:
     return points
-  return _at_rates(points, [{"arm": arm, "lr": lr} for arm, lr in rates.items()], size)
-
-
-def _at_rates(points, chosen, size) -> list:
-  """The `points` of the arms of `chosen` ({arm, lr}) at their rates."""
-  rates = {r["arm"]: r["lr"] for r in chosen}
   return [p for p in points if rates.get(arm_of(p.overrides, size["shapes"])) == p.config.train.base_lr]
 
 
@@ -556,7 +552,8 @@ def markdown(spec, size_name, runs, gate, goals, refusal, wall, machine, search=
     verdict = ("**met**" if goal["met"] else "**not met**") if gate["passed"] else (
         "not counted: the gate did not pass, so the regime is not shown to be capacity-bound")
     m, d, k = goal["memory"], goal["dense"], goal["knockout"]
-    lines.append(("" if i == 0 else "\n") + f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
+    lines += [""] * (i > 0)  # a paragraph per confirmed arm
+    lines.append(f"{verdict}. {goal['arm']} recalls {m[0]:.3f} ± {_num(m[1])} against the iso-FLOP dense model's "
                  f"{d[0]:.3f} ± {_num(d[1])} ({goal['dense_arm']}; mean ± standard error over {goal['n']} seeds and "
                  f"corpora): Welch's t {goal['t']:+.2f} ({goal['df']:.1f} degrees of freedom; needs ≥ {GOAL_T:g}). "
                  f"Its memory knocked out, it recalls {k[0]:.3f} ± {_num(k[1])}: the memory holds "
@@ -602,6 +599,8 @@ def _goals(runs) -> list[dict]:
   the order choose_confirmed confirms them."""
   done = _done(runs.get("confirm"))
   dense = [r for r in done if not r["memory"]]
+  if len(dense) < 2:
+    return []
   arms = {}
   for r in done:
     if r["memory"] and r["knockout"] is not None:
@@ -610,7 +609,7 @@ def _goals(runs) -> list[dict]:
   order = [r["arm"] for r in chosen[0]] if chosen else []
   ranked = sorted(arms, key=lambda arm: order.index(arm) if arm in order else len(order))
   return [{**goal_verdict(arms[arm], dense), "arm": arm, "dense_arm": dense[0]["arm"], "n": len(arms[arm])}
-          for arm in ranked if len(arms[arm]) >= 2 and len(dense) >= 2]
+          for arm in ranked if len(arms[arm]) >= 2]
 
 
 def _phases(sweep, points) -> list[list]:
