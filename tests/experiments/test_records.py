@@ -176,6 +176,8 @@ def test_a_field_added_after_a_run_was_recorded_counts_as_its_default(tmp_path):
     records.restore(str(kept), str(tmp_path / "new"), ["gate"], SPEC, {("gate", "narrow"): now})
 
 
+# slow (about a minute): .ci/run goes on from a record alone at the quick size, end to end; this is every stage
+@pytest.mark.slow
 def test_the_study_goes_on_from_its_record_where_its_directory_was_lost(tmp_path, faked):  # noqa: F811
   """Every stage at the quick size, DIR lost after the gate and again at the end: the next part trains only what
   was not finished, and the report from the record alone is the report from the whole DIR."""

@@ -275,6 +275,7 @@ def test_step_ratio(capsys):
   assert vanilla["time_ratio"] == pytest.approx(vanilla["step"]["median_s"] / unit["step"]["median_s"])
 
 
+@pytest.mark.slow  # two compiles; one size's ratios: test_step_ratio above
 def test_step_ratio_at_several_batch_sizes(capsys):
   """Every config at every size, the unit the first config at the first size: a row's row_ratio is its time per row
   against the unit's, and its FLOP ratio is the estimator's per step (the bank's projections are once a micro-batch,
